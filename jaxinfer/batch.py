@@ -1,0 +1,219 @@
+"""Offline batch runner: `python -m jaxinfer.batch --model NAME --input IN.jsonl --output OUT.jsonl`.
+
+Each input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, with optional
+per-line sampling fields. Output lines come in input order; a malformed line gets an output line
+with an `error` field naming the problem, and every other line still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from jaxinfer.engine.params import SamplingParams
+from jaxinfer.errors import JaxinferError, RequestError
+
+SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
+LINE_FIELDS = {"id", "prompt", "messages"} | SAMPLING_FIELDS
+
+
+@dataclass
+class Job:
+    line: int
+    id: Any
+    prompt: str | None = None
+    messages: list | None = None
+    params: SamplingParams | None = None
+    error: str | None = None
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m jaxinfer.batch", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="registry name or path (GGUF, HF folder, orbax)")
+    p.add_argument("--input", required=True, help="JSONL file, or - for stdin")
+    p.add_argument("--output", required=True, help="JSONL file, or - for stdout")
+    p.add_argument("--config", help="engine TOML file (its [engine] table)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stats-json", help="write the run summary as one JSON object to this path")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
+    p.add_argument("--max-seqs", type=int, default=None)
+    p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p.parse_args(argv)
+
+
+def default_params(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "seed": args.seed,
+        "stop": tuple(args.stop),
+    }
+
+
+def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return Job(number, None, error=f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
+    if not isinstance(record, dict):
+        return Job(number, None, error=f"line {number}: expected a JSON object")
+    job = Job(number, record.get("id", number))
+    unknown = sorted(set(record) - LINE_FIELDS)
+    has_prompt, has_messages = "prompt" in record, "messages" in record
+    try:
+        if unknown:
+            raise RequestError(f"unknown field(s) {', '.join(unknown)}")
+        if has_prompt == has_messages:
+            raise RequestError("give exactly one of prompt or messages")
+        if has_prompt and (not isinstance(record["prompt"], str) or not record["prompt"]):
+            raise RequestError("prompt: must be a non-empty string")
+        if has_messages and not isinstance(record["messages"], list):
+            raise RequestError("messages: must be a list of {role, content} objects")
+        overrides = {k: record[k] for k in SAMPLING_FIELDS if k in record}
+        if isinstance(overrides.get("stop"), list):
+            overrides["stop"] = tuple(overrides["stop"])
+        job.params = SamplingParams(**{**defaults, **overrides})
+    except (RequestError, TypeError) as exc:
+        job.error = f"line {number}: {exc}"
+        return job
+    job.prompt, job.messages = record.get("prompt"), record.get("messages")
+    return job
+
+
+def read_jobs(stream: TextIO, defaults: dict[str, Any]) -> list[Job]:
+    return [parse_line(n, line, defaults) for n, line in enumerate(stream, 1) if line.strip()]
+
+
+def encode(llm, job: Job) -> list[int] | None:
+    try:
+        return llm.tokenizer.encode_chat(job.messages) if job.messages is not None else llm.encode(job.prompt)
+    except (RequestError, ValueError) as exc:
+        job.error = f"line {job.line}: {exc}"
+        return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from jaxinfer.llm import LLM
+
+    defaults = default_params(args)
+    SamplingParams(**defaults)  # a bad command-line value fails before the model loads
+    with _open_input(args.input) as stream:
+        jobs = read_jobs(stream, defaults)
+    overrides = {"dtype": args.dtype, "max_seqs": args.max_seqs, "num_pages": args.num_pages,
+                 "page_size": args.page_size}
+    llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
+    start = time.perf_counter()
+    runnable: list[tuple[Job, list[int]]] = []
+    for job in jobs:
+        ids = encode(llm, job) if job.error is None else None
+        if ids is not None:
+            try:
+                llm.engine.validate(ids, job.params)
+                runnable.append((job, ids))
+            except RequestError as exc:
+                job.error = f"line {job.line}: {exc}"
+    bar = tqdm(total=len(runnable), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
+    outputs = llm.engine.generate([i for _, i in runnable], [j.params for j, _ in runnable],
+                                  on_finish=lambda _: bar.update(1))
+    bar.close()
+    wall = time.perf_counter() - start
+    results = {id(job): out for (job, _), out in zip(runnable, outputs, strict=True)}
+    _write_output(args.output, jobs, results)
+    completion = sum(o.usage.completion_tokens for o in outputs)
+    return {
+        "requests": len(jobs),
+        "errors": sum(1 for j in jobs if j.error),
+        "prompt_tokens": sum(o.usage.prompt_tokens for o in outputs),
+        "completion_tokens": completion,
+        "cached_prompt_tokens": sum(o.usage.cached_tokens for o in outputs),
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(completion / wall, 2) if wall > 0 else 0.0,
+        "steps": llm.engine.stats.steps,
+        "preemptions": llm.engine.stats.preemptions,
+        "load_s": round(llm.load_seconds, 3),
+        "warmup_s": round(llm.warmup_seconds, 3),
+        "model": str(args.model),
+    }
+
+
+def _open_input(path: str) -> TextIO:
+    if path == "-":
+        return os.fdopen(os.dup(sys.stdin.fileno()))
+    try:
+        return open(path, encoding="utf-8")
+    except FileNotFoundError:
+        raise JaxinferError(f"--input: file not found: {path}") from None
+
+
+def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
+    lines = []
+    for job in jobs:
+        if job.error is not None:
+            lines.append({"id": job.id, "error": job.error})
+            continue
+        out = results[id(job)]
+        record = {
+            "id": job.id,
+            "text": out.text,
+            "token_ids": out.token_ids,
+            "finish_reason": out.finish_reason,
+            "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens,
+                      "cached_tokens": out.usage.cached_tokens},
+        }
+        if out.logprobs is not None:
+            record["logprobs"] = out.logprobs
+        lines.append(record)
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(target)  # never a half-written output file
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        summary = run(args)
+    except JaxinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{summary['requests']} requests ({summary['errors']} errors), {summary['prompt_tokens']} prompt + "
+        f"{summary['completion_tokens']} completion tokens in {summary['wall_s']:.1f}s "
+        f"({summary['tokens_per_s']:.1f} tokens/s)",
+        file=sys.stderr,
+    )
+    if args.stats_json:
+        Path(args.stats_json).write_text(json.dumps(summary) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

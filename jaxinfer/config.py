@@ -1,0 +1,221 @@
+"""Model and engine configuration: dataclasses, HF `config.json` parsing and TOML loading."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jaxinfer.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (`rope_type = "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape and variant of a Llama-family decoder (Llama 3, SmolLM2, Qwen2/2.5, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    # Per-dimension divisors of the inverse frequencies (GGUF's `rope_freqs.weight`).
+    rope_freq_factors: tuple[float, ...] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unknown architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count (embeddings counted once when tied)."""
+        attn = self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        per_layer = attn + mlp + 2 * self.hidden_size
+        embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + self.hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        if data.get("rope_scaling"):
+            data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+        for key in ("rope_freq_factors", "eos_token_ids"):
+            if data.get(key) is not None:
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        """Reads a Hugging Face `config.json` dictionary (transformers 4.x or 5.x spelling)."""
+        model_type = hf.get("model_type", "")
+        architecture = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+        if architecture is None:
+            raise ConfigError(
+                f"unknown architecture: config.json has model_type {model_type!r}; "
+                f"supported: llama, qwen2, qwen3"
+            )
+        try:
+            num_heads = int(hf["num_attention_heads"])
+            hidden = int(hf["hidden_size"])
+            rope = _hf_rope(hf)
+            eos = hf.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            return cls(
+                architecture=architecture,
+                vocab_size=int(hf["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(hf["intermediate_size"]),
+                num_layers=int(hf["num_hidden_layers"]),
+                num_heads=num_heads,
+                num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+                head_dim=int(hf.get("head_dim") or hidden // num_heads),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                rope_theta=rope[0],
+                rope_scaling=rope[1],
+                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                attention_bias=architecture == "qwen2" or bool(hf.get("attention_bias", False)),
+                qk_norm=architecture == "qwen3",
+                bos_token_id=hf.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as missing:
+            raise ConfigError(f"config.json lacks the field {missing.args[0]!r}") from None
+
+
+def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """(theta, llama3 scaling) from either `rope_parameters` (transformers 5) or `rope_scaling`."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or params
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return theta, None
+    if rope_type != "llama3":
+        raise ConfigError(f"unsupported rope scaling {rope_type!r}; supported: default, llama3")
+    return theta, RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def read_hf_config(path: Path) -> ModelConfig:
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not valid JSON ({exc})") from None
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine lays out memory and work. Every field can be set from TOML."""
+
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU/TPU
+    page_size: int = 16
+    num_pages: int = 1024  # including the null page 0
+    max_seqs: int = 32  # sequences in flight at once
+    max_model_len: int = 0  # 0: the model's context length, capped at 8192
+    token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    attention_backend: str = "auto"  # auto | reference
+    attention_block_tokens: int = 128  # keys visited per attention loop iteration
+    attention_query_tile: int = 16  # queries that share one gather when they belong to one sequence
+    mesh_data: int = 1
+    mesh_model: int = 0  # 0: all remaining devices
+    compile_guard: str = "warn"  # off | warn | raise
+    warmup: bool = True
+    compilation_cache_dir: str = ""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive = ("page_size", "num_pages", "max_seqs", "attention_block_tokens", "attention_query_tile")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
+        if self.num_pages < 2:
+            raise ConfigError("engine.num_pages must be at least 2 (page 0 is the null page)")
+        if not self.token_buckets or sorted(set(self.token_buckets)) != list(self.token_buckets):
+            raise ConfigError(f"engine.token_buckets must be strictly increasing, got {self.token_buckets}")
+        if self.compile_guard not in ("off", "warn", "raise"):
+            raise ConfigError(f"engine.compile_guard must be off, warn or raise, got {self.compile_guard!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"engine.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "reference"):
+            raise ConfigError(f"engine.attention_backend must be auto or reference, got {self.attention_backend!r}")
+
+    @property
+    def max_tokens_per_step(self) -> int:
+        return self.token_buckets[-1]
+
+    def resolved_max_model_len(self, model: ModelConfig) -> int:
+        limit = self.max_model_len or min(model.max_position_embeddings, 8192)
+        return min(limit, model.max_position_embeddings)
+
+    def max_pages_per_seq(self, model: ModelConfig) -> int:
+        pages = math.ceil(self.resolved_max_model_len(model) / self.page_size)
+        per_block = max(1, self.attention_block_tokens // self.page_size)
+        return math.ceil(pages / per_block) * per_block
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
+        if "token_buckets" in changes:
+            changes["token_buckets"] = tuple(changes["token_buckets"])
+        return dataclasses.replace(self, **changes)
+
+
+def load_engine_config(path: str | Path | None, **overrides: Any) -> EngineConfig:
+    """Reads the `[engine]` table of a TOML file (or none) and applies non-None overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+        values.update(data.get("engine", {}))
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig().replace(**values)

@@ -1,0 +1,260 @@
+"""The generation loop: a first-come-first-served batcher over the page pool and the jitted step.
+
+Each step takes one decode token from every running sequence, then fills the rest of the token
+budget with prompt chunks, oldest request first. A sequence that needs a page when none is free
+preempts the newest running sequence, which gives its pages back and later recomputes its
+prompt and output so far (the output does not change: sampling keys depend only on seed and
+position). The full scheduler (prefix cache, overlap) builds on this.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxinfer.engine.params import RequestOutput, SamplingParams, Usage
+from jaxinfer.engine.step import HostBatch, ModelRunner
+from jaxinfer.errors import RequestError
+from jaxinfer.kv import PagePool
+from jaxinfer.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    checked_chars: int = 0  # decoded output length already searched for stop strings
+    stop_at: int | None = None  # where a stop string starts in the decoded output
+    arrival: int = 0  # admission order, for preempting the newest
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # first position computed in this step
+    count: int
+    samples: bool = False  # the chunk reaches the sequence's last token, so its row's sample is kept
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.count == self.seq.num_tokens
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens_computed: int = 0
+    preemptions: int = 0
+    step_seconds: float = 0.0
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int):
+        self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
+        self.cfg = runner.cfg
+        self.pool = PagePool(self.cfg.num_pages)
+        self.stats = EngineStats()
+        self._rng = random.Random(self.cfg.seed)
+        self._arrivals = 0
+
+    # -- public -----------------------------------------------------------------------------
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise RequestError("prompt: must not be empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt: {len(prompt_ids)} tokens, the limit is {self.max_model_len - 1} "
+                f"(max_model_len {self.max_model_len} leaves room for one generated token)"
+            )
+        vocab = self.runner.model_cfg.vocab_size
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        # Every request must fit the pool alone, so preemption always leaves one that can finish.
+        longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
+        pages_needed = math.ceil(longest / self.cfg.page_size)
+        if pages_needed > self.pool.capacity:
+            raise RequestError(
+                f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
+                f"{pages_needed} KV pages of {self.cfg.page_size} tokens, the pool has {self.pool.capacity}"
+            )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: list[SamplingParams],
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        for ids, p in zip(prompts, params, strict=True):
+            self.validate(ids, p)
+        waiting = deque(self._new_sequence(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params, strict=True)))
+        running: list[Sequence] = []
+        outputs: dict[int, RequestOutput] = {}
+        while waiting or running:
+            chunks = self._schedule(waiting, running)
+            if not chunks:
+                raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
+            self._execute(chunks)
+            for seq in [c.seq for c in chunks if c.seq.finish_reason]:
+                running.remove(seq)
+                self.pool.free(seq.pages)
+                seq.pages = []
+                outputs[seq.index] = out = self._output(seq)
+                if on_finish:
+                    on_finish(out)
+        return [outputs[i] for i in range(len(prompts))]
+
+    # -- scheduling --------------------------------------------------------------------------
+    def _new_sequence(self, index: int, ids: list[int], params: SamplingParams) -> Sequence:
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        return Sequence(index=index, prompt_ids=list(ids), params=params, seed=seed)
+
+    def _pages_for(self, seq: Sequence, upto: int) -> bool:
+        """Makes sure `seq` owns pages for positions < upto; False if the pool cannot."""
+        needed = math.ceil(upto / self.cfg.page_size) - len(seq.pages)
+        if needed <= 0:
+            return True
+        pages = self.pool.allocate(needed)
+        if pages is None:
+            return False
+        seq.pages += pages
+        return True
+
+    def _preempt(self, victim: Sequence, running: list[Sequence], waiting: deque[Sequence]) -> None:
+        running.remove(victim)
+        self.pool.free(victim.pages)
+        victim.pages, victim.num_computed = [], 0
+        waiting.appendleft(victim)
+        self.stats.preemptions += 1
+        log.info("preempted request %d (%d tokens to recompute)", victim.index, victim.num_tokens)
+
+    def _schedule(self, waiting: deque[Sequence], running: list[Sequence]) -> list[ScheduledChunk]:
+        budget = self.cfg.max_tokens_per_step
+        chunks: list[ScheduledChunk] = []
+        for seq in sorted(running, key=lambda s: s.arrival):
+            if seq not in running or budget == 0:
+                continue
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            while not self._pages_for(seq, seq.num_computed + count):
+                victim = max(running, key=lambda s: s.arrival)
+                self._preempt(victim, running, waiting)
+                chunks = [c for c in chunks if c.seq is not victim]
+                if victim is seq:
+                    break
+            if seq in running:
+                chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+                budget -= count
+        while waiting and budget > 0 and len(running) < self.cfg.max_seqs:
+            seq = waiting[0]
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._pages_for(seq, seq.num_computed + count):
+                break
+            waiting.popleft()
+            self._arrivals += 1
+            seq.arrival = self._arrivals
+            running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+            budget -= count
+        return chunks
+
+    # -- execution ---------------------------------------------------------------------------
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> HostBatch:
+        total = sum(c.count for c in chunks)
+        batch = self.runner.empty_batch(self.runner.bucket_for(total))
+        page_size, cursor = self.cfg.page_size, 0
+        for row, chunk in enumerate(chunks):
+            seq, end = chunk.seq, cursor + chunk.count
+            positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
+            pages = np.asarray(seq.pages, np.int32)
+            batch.tokens[cursor:end] = seq.all_ids[chunk.start : chunk.start + chunk.count]
+            batch.positions[cursor:end] = positions
+            batch.seq_rows[cursor:end] = row
+            batch.write_slots[cursor:end] = pages[positions // page_size] * page_size + positions % page_size
+            batch.page_table[row, : len(pages)] = pages
+            batch.logits_rows[row] = end - 1
+            p = seq.params
+            batch.temperature[row], batch.top_k[row], batch.top_p[row] = p.temperature, p.top_k, p.top_p
+            batch.min_p[row], batch.seed[row], batch.step[row] = p.min_p, seq.seed, len(seq.output_ids)
+            cursor = end
+        # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
+        batch.seq_rows[cursor:] = len(chunks) - 1
+        batch.positions[cursor:] = 0
+        return batch
+
+    def _execute(self, chunks: list[ScheduledChunk]) -> None:
+        start = time.perf_counter()
+        tokens, logprobs = self.runner.run(self._build_batch(chunks))
+        self.stats.steps += 1
+        self.stats.step_seconds += time.perf_counter() - start
+        for row, chunk in enumerate(chunks):
+            seq = chunk.seq
+            if chunk.start < len(seq.prompt_ids):
+                self.stats.prompt_tokens_computed += min(chunk.count, len(seq.prompt_ids) - chunk.start)
+            seq.num_computed = chunk.start + chunk.count
+            if chunk.samples:
+                self._append(seq, int(tokens[row]), float(logprobs[row]))
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> None:
+        p = seq.params
+        seq.output_ids.append(token)
+        seq.logprobs.append(logprob)
+        generated = len(seq.output_ids)
+        if generated >= p.min_tokens:
+            if (token in self.tokenizer.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
+                seq.finish_reason = "stop"
+                return
+            if p.stop and self._hit_stop_string(seq):
+                seq.finish_reason = "stop"
+                return
+        if generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids)
+        longest = max(len(s) for s in seq.params.stop)
+        # Only text the newest token could have completed needs searching; the margin covers a
+        # multi-byte character that decoded as U+FFFD until this token completed it.
+        window_start = max(0, seq.checked_chars - longest - 4)
+        seq.checked_chars = len(text)
+        hits = [i for s in seq.params.stop if (i := text.find(s, window_start)) >= 0]
+        if hits:
+            seq.stop_at = min(hits)
+            return True
+        return False
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_ids)
+        if seq.stop_at is not None:
+            text = text[: seq.stop_at]
+        return RequestOutput(
+            index=seq.index,
+            prompt_token_ids=seq.prompt_ids,
+            text=text,
+            token_ids=list(seq.output_ids),
+            finish_reason=seq.finish_reason or "length",
+            usage=Usage(len(seq.prompt_ids), len(seq.output_ids), 0),
+            logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+        )

@@ -1,0 +1,84 @@
+"""Per-request sampling parameters and the outputs the engine returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxinfer.errors import RequestError
+
+MAX_SEED = 2**32 - 1
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What to generate. temperature 0 is greedy; seed makes sampling reproducible per request."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self._check()
+
+    def _check(self) -> None:
+        _int_field("max_tokens", self.max_tokens, low=1)
+        _int_field("top_k", self.top_k, low=0)
+        _int_field("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
+        _float_field("temperature", self.temperature, low=0.0, high=100.0)
+        _float_field("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
+        _float_field("min_p", self.min_p, low=0.0, high=1.0)
+        if self.seed is not None:
+            _int_field("seed", self.seed, low=0, high=MAX_SEED)
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"stop[{i}]: must be a non-empty string")
+        for i, t in enumerate(self.stop_token_ids):
+            _int_field(f"stop_token_ids[{i}]", t, low=0)
+
+
+def _int_field(name: str, value: object, *, low: int, high: int | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise RequestError(f"{name}: must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise RequestError(f"{name}: must be {bound}, got {value}")
+
+
+def _float_field(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise RequestError(f"{name}: must be a number, got {value!r}")
+    if value != value or value > high or value < low or (low_open and value == low):
+        interval = f"{'(' if low_open else '['}{low}, {high}]"
+        raise RequestError(f"{name}: must be in {interval}, got {value}")
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """One finished request. finish_reason: "stop" (EOS, stop token or string) or "length"."""
+
+    index: int
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[float] | None = None

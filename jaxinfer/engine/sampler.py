@@ -1,0 +1,62 @@
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Each row draws with the key `fold_in(key(seed), n)` where n is how many tokens the request has
+generated so far, so a request's samples depend only on its seed and its own history, never on
+which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingInputs:
+    """Per-row sampling settings, each [S]. temperature 0 means greedy."""
+
+    temperature: jax.Array  # float32
+    top_k: jax.Array  # int32, 0 = off
+    top_p: jax.Array  # float32, 1 = off
+    min_p: jax.Array  # float32, 0 = off
+    seed: jax.Array  # uint32
+    step: jax.Array  # int32, tokens generated so far by this request
+
+
+def sample(logits: jax.Array, params: SamplingInputs) -> tuple[jax.Array, jax.Array]:
+    """logits [S, V] float32 -> (token ids [S] int32, logprob of each under the raw model [S])."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    all_greedy = jnp.all(params.temperature <= 0.0)
+    tokens = lax.cond(all_greedy, lambda: greedy, lambda: _sample_rows(logits, params, greedy))
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -> jax.Array:
+    sampled = jax.vmap(_sample_one)(
+        logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step
+    )
+    return jnp.where(params.temperature <= 0.0, greedy, sampled)
+
+
+def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
+    vocab = logits.shape[-1]
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    order = jnp.argsort(-scaled)
+    sorted_logits = scaled[order]
+    probs = jax.nn.softmax(sorted_logits)
+    rank = jnp.arange(vocab)
+    keep = rank < jnp.where(top_k > 0, top_k, vocab)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
+    mass_before = jnp.cumsum(probs) - probs
+    keep &= mass_before < top_p
+    keep &= probs >= min_p * probs[0]
+    keep = keep.at[0].set(True)
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    gumbel = jax.random.gumbel(key, (vocab,), jnp.float32)
+    choice = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf))
+    return order[choice].astype(jnp.int32)

@@ -1,0 +1,179 @@
+"""The jitted step: model forward over a ragged batch, KV write, sampling; compiled per bucket.
+
+`ModelRunner` owns the device state (weights, per-layer KV page pools) and one ahead-of-time
+compiled executable per token-count bucket. A batch of T tokens is padded to the smallest bucket
+>= T; the number of sequence rows is tied to it (`rows = min(bucket, max_seqs)`), so the set of
+shapes, and so of compiles, is exactly the configured buckets. Calling an executable with any
+other shape is impossible by construction; a bucket that warm-up did not compile is compiled on
+first use and counted, and the compile guard turns that into an error where required.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.sampler import SamplingInputs, sample
+from jaxinfer.errors import CompileAfterWarmupError
+from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.models import KVCache, LlamaForCausalLM
+from jaxinfer.models.llama import KV_CACHE_AXES
+from jaxinfer.parallel import named_sharding
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    tokens: jax.Array  # [T] int32
+    meta: AttentionMetadata
+    logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
+    sampling: SamplingInputs
+
+
+@dataclasses.dataclass
+class HostBatch:
+    """The numpy arrays of one step, already padded to a bucket (see `ModelRunner.empty_batch`)."""
+
+    tokens: np.ndarray
+    positions: np.ndarray
+    seq_rows: np.ndarray
+    write_slots: np.ndarray
+    page_table: np.ndarray
+    logits_rows: np.ndarray
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+    min_p: np.ndarray
+    seed: np.ndarray
+    step: np.ndarray
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[0]
+
+    def to_inputs(self) -> StepInputs:
+        meta = AttentionMetadata(self.positions, self.seq_rows, self.page_table, self.write_slots)
+        sampling = SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step)
+        return StepInputs(self.tokens, meta, self.logits_rows, sampling)
+
+
+def _step(graphdef, state, caches, inputs: StepInputs):
+    model = nnx.merge(graphdef, state)
+    hidden, caches = model(inputs.tokens, caches, inputs.meta)
+    logits = model.logits(hidden[inputs.logits_rows])
+    tokens, logprobs = sample(logits, inputs.sampling)
+    return caches, tokens, logprobs
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
+        self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
+        self.graphdef, self.state = nnx.split(model)
+        self.max_pages_per_seq = cfg.max_pages_per_seq(model_cfg)
+        self.caches = self._allocate_caches(model.dtype)
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
+        self._executables: dict[int, jax.stages.Compiled] = {}
+        self.warmed_up = False
+        self.compiles_after_warmup = 0
+        self.warmup_seconds = 0.0
+
+    # -- device state -----------------------------------------------------------------------
+    def _allocate_caches(self, dtype: jnp.dtype) -> tuple[KVCache, ...]:
+        m = self.model_cfg
+        shape = (self.cfg.num_pages, m.num_kv_heads, self.cfg.page_size, m.head_dim)
+        sharding = named_sharding(shape, KV_CACHE_AXES, self.mesh)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        return tuple(KVCache(zeros(), zeros()) for _ in range(m.num_layers))
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(c.k.nbytes + c.v.nbytes for c in self.caches)
+
+    # -- buckets ---------------------------------------------------------------------------
+    def bucket_for(self, num_tokens: int) -> int:
+        for bucket in self.cfg.token_buckets:
+            if bucket >= num_tokens:
+                return bucket
+        raise ValueError(f"{num_tokens} tokens exceed the largest bucket {self.cfg.token_buckets[-1]}")
+
+    def rows_for(self, bucket: int) -> int:
+        return min(bucket, self.cfg.max_seqs)
+
+    def empty_batch(self, bucket: int) -> HostBatch:
+        """All-padding batch: tokens write to the null page and rows are greedy."""
+        rows = self.rows_for(bucket)
+        zeros_t = np.zeros(bucket, np.int32)
+        return HostBatch(
+            tokens=zeros_t.copy(),
+            positions=zeros_t.copy(),
+            seq_rows=zeros_t.copy(),
+            write_slots=zeros_t.copy(),
+            page_table=np.zeros((rows, self.max_pages_per_seq), np.int32),
+            logits_rows=np.zeros(rows, np.int32),
+            temperature=np.zeros(rows, np.float32),
+            top_k=np.zeros(rows, np.int32),
+            top_p=np.ones(rows, np.float32),
+            min_p=np.zeros(rows, np.float32),
+            seed=np.zeros(rows, np.uint32),
+            step=np.zeros(rows, np.int32),
+        )
+
+    # -- compile ---------------------------------------------------------------------------
+    def _abstract_inputs(self, bucket: int) -> StepInputs:
+        def spec(x: np.ndarray) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)
+
+        return jax.tree.map(spec, self.empty_batch(bucket).to_inputs())
+
+    def _compile(self, bucket: int) -> jax.stages.Compiled:
+        start = time.perf_counter()
+        lowered = self._jitted.lower(self.graphdef, self.state, self.caches, self._abstract_inputs(bucket))
+        executable = lowered.compile()
+        log.info("compiled step for %d tokens in %.1fs", bucket, time.perf_counter() - start)
+        return executable
+
+    def warmup(self) -> float:
+        start = time.perf_counter()
+        for bucket in self.cfg.token_buckets:
+            if bucket not in self._executables:
+                self._executables[bucket] = self._compile(bucket)
+        self.warmed_up = True
+        self.warmup_seconds = time.perf_counter() - start
+        return self.warmup_seconds
+
+    def _executable(self, bucket: int) -> jax.stages.Compiled:
+        executable = self._executables.get(bucket)
+        if executable is not None:
+            return executable
+        if self.warmed_up:
+            self.compiles_after_warmup += 1
+            message = f"step compiled after warm-up for a {bucket}-token bucket"
+            if self.cfg.compile_guard == "raise":
+                raise CompileAfterWarmupError(message)
+            if self.cfg.compile_guard == "warn":
+                log.warning(message)
+        executable = self._executables[bucket] = self._compile(bucket)
+        return executable
+
+    @property
+    def num_compiles(self) -> int:
+        return len(self._executables)
+
+    # -- run -------------------------------------------------------------------------------
+    def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Runs one step; returns (sampled token per row, its logprob), read back to the host."""
+        executable = self._executable(batch.num_tokens)
+        inputs = jax.device_put(batch.to_inputs(), self._replicated)
+        self.caches, tokens, logprobs = executable(self.state, self.caches, inputs)
+        return np.asarray(tokens), np.asarray(logprobs)

@@ -1,0 +1,1 @@
+"""Building blocks of the decoder: linear maps, norms, RoPE and paged attention backends."""

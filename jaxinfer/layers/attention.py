@@ -1,0 +1,157 @@
+"""Paged attention over a ragged batch: the metadata the step passes, and the backends.
+
+The KV cache of one layer is a pair of page pools `[num_pages, kv_heads, page_size, head_dim]`
+(heads before positions: on the CPU this layout was about 9x faster than positions first). Page 0
+is the null page: padding tokens write there and nothing real is ever read from it.
+
+A batch is a flat array of T tokens from up to S sequences; each sequence's tokens are contiguous.
+`ReferenceAttention` works on the CPU (and anywhere): it walks the tokens in tiles, and the keys of
+each tile in blocks of pages with an online softmax, so memory stays bounded for long contexts. A
+tile whose tokens all belong to one sequence (a prefill chunk) gathers each key block once; a mixed
+tile (decode tokens of different sequences) gathers per token. Accelerator kernels implement the
+same `AttentionBackend` protocol and plug in without touching the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NEG_INF = -1e30
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AttentionMetadata:
+    """Per-step device arrays describing the ragged batch (all int32)."""
+
+    positions: jax.Array  # [T] position of each token in its sequence
+    seq_rows: jax.Array  # [T] row of `page_table` each token belongs to
+    page_table: jax.Array  # [S, P] page ids per sequence row (0 = null page)
+    write_slots: jax.Array  # [T] page * page_size + offset where each token's K/V goes (0 for padding)
+
+
+class AttentionBackend(Protocol):
+    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array: ...
+
+    def attend(
+        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float
+    ) -> jax.Array: ...
+
+
+def write_pages(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """Scatters new [T, kv_heads, head_dim] into cache [pages, kv_heads, page_size, head_dim]."""
+    page_size = cache.shape[2]
+    return cache.at[slots // page_size, :, slots % page_size, :].set(new.astype(cache.dtype))
+
+
+def largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceAttention:
+    """Gather-based paged attention in plain JAX; exact (float32 softmax) and backend-neutral."""
+
+    block_tokens: int = 128
+    query_tile: int = 16
+
+    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        return write_pages(cache, new, meta.write_slots)
+
+    def attend(
+        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float
+    ) -> jax.Array:
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
+        group = num_heads // kv_heads
+        block_pages = max(1, self.block_tokens // page_size)
+        tile = largest_divisor_at_most(num_tokens, self.query_tile)
+        num_tiles = num_tokens // tile
+        q_tiles = q.reshape(num_tiles, tile, kv_heads, group, head_dim)
+        pos_tiles = meta.positions.reshape(num_tiles, tile)
+        row_tiles = meta.seq_rows.reshape(num_tiles, tile)
+        block = _BlockAttention(k_cache, v_cache, meta.page_table, block_pages, page_size, scale)
+
+        def one_tile(i: jax.Array) -> jax.Array:
+            q_i, pos_i, rows_i = q_tiles[i], pos_tiles[i], row_tiles[i]
+            single = jnp.all(rows_i == rows_i[0])
+            return lax.cond(single, block.shared_sequence, block.per_token, q_i, pos_i, rows_i)
+
+        out = lax.map(one_tile, jnp.arange(num_tiles))
+        return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BlockAttention:
+    """Online-softmax attention of one query tile over its keys, one block of pages at a time."""
+
+    k_cache: jax.Array
+    v_cache: jax.Array
+    page_table: jax.Array
+    block_pages: int
+    page_size: int
+    scale: float
+
+    def shared_sequence(self, q: jax.Array, pos: jax.Array, rows: jax.Array) -> jax.Array:
+        pages_of_row = self.page_table[rows[0]]
+
+        def keys(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+            ids = lax.dynamic_slice_in_dim(pages_of_row, b * self.block_pages, self.block_pages)
+            return self._flatten_block(self.k_cache[ids]), self._flatten_block(self.v_cache[ids])
+
+        return self._run(q, pos, keys, "tkgd,kld->tkgl", "tkgl,kld->tkgd")
+
+    def per_token(self, q: jax.Array, pos: jax.Array, rows: jax.Array) -> jax.Array:
+        pages = self.page_table[rows]
+
+        def keys(b: jax.Array) -> tuple[jax.Array, jax.Array]:
+            ids = lax.dynamic_slice_in_dim(pages, b * self.block_pages, self.block_pages, axis=1)
+            return self._flatten_block(self.k_cache[ids]), self._flatten_block(self.v_cache[ids])
+
+        return self._run(q, pos, keys, "tkgd,tkld->tkgl", "tkgl,tkld->tkgd")
+
+    @staticmethod
+    def _flatten_block(x: jax.Array) -> jax.Array:
+        """[..., block_pages, kv_heads, page_size, head_dim] -> [..., kv_heads, keys, head_dim]."""
+        *lead, nb, kvh, ps, d = x.shape
+        x = jnp.moveaxis(x, -4, -3)
+        return x.reshape(*lead, kvh, nb * ps, d)
+
+    def _run(self, q, pos, keys, score_eq: str, value_eq: str) -> jax.Array:
+        tile, kv_heads, group, head_dim = q.shape
+        block_len = self.block_pages * self.page_size
+        num_blocks = jnp.max(pos) // block_len + 1
+        qf = q.astype(jnp.float32) * self.scale
+
+        def body(b, carry):
+            m, denom, acc = carry
+            k, v = keys(b)
+            s = jnp.einsum(score_eq, qf, k.astype(jnp.float32))
+            key_pos = b * block_len + jnp.arange(block_len)
+            visible = (key_pos[None, :] <= pos[:, None])[:, None, None, :]
+            s = jnp.where(visible, s, NEG_INF)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+            correction = jnp.exp(m - m_new)
+            denom = denom * correction + jnp.sum(p, axis=-1)
+            acc = acc * correction[..., None] + jnp.einsum(value_eq, p, v.astype(jnp.float32))
+            return m_new, denom, acc
+
+        init = (
+            jnp.full((tile, kv_heads, group), NEG_INF, jnp.float32),
+            jnp.zeros((tile, kv_heads, group), jnp.float32),
+            jnp.zeros((tile, kv_heads, group, head_dim), jnp.float32),
+        )
+        _, denom, acc = lax.fori_loop(0, num_blocks, body, init)
+        return acc / denom[..., None]
+
+
+def make_backend(name: str, *, block_tokens: int, query_tile: int) -> AttentionBackend:
+    if name in ("auto", "reference"):
+        return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,108 @@
+"""The Python API: `LLM(model).generate(prompts, params)` and `generate_chat(conversations, params)`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import tokenizer as tokenizers_
+from jaxinfer.config import EngineConfig, load_engine_config
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.params import RequestOutput, SamplingParams
+from jaxinfer.engine.step import ModelRunner
+from jaxinfer.errors import RequestError
+from jaxinfer.layers.attention import make_backend
+from jaxinfer.parallel import make_mesh
+from jaxinfer.weights.gguf_file import GGUFCheckpoint
+from jaxinfer.weights.loader import load_model
+from jaxinfer.weights.registry import resolve
+
+log = logging.getLogger(__name__)
+
+Prompt = str | list[int]
+
+
+def resolve_dtype(name: str) -> jnp.dtype:
+    if name == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    return jnp.dtype(name)
+
+
+class LLM:
+    """A loaded model with its tokenizer, KV page pool and compiled step."""
+
+    def __init__(self, model: str | Path = "smollm2-135m", config: EngineConfig | str | Path | None = None,
+                 **overrides: Any):
+        cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
+        self.config = cfg = cfg.replace(**overrides) if overrides else cfg
+        if cfg.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
+        start = time.perf_counter()
+        self.dtype = resolve_dtype(cfg.dtype)
+        self.mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
+        checkpoint = resolve(model)
+        gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
+        backend = make_backend(
+            cfg.attention_backend, block_tokens=cfg.attention_block_tokens, query_tile=cfg.attention_query_tile
+        )
+        loaded = load_model(checkpoint, self.mesh, self.dtype, backend, gguf_file=gguf_file)
+        self.model_config = loaded.config
+        self.tokenizer = (
+            tokenizers_.from_gguf(gguf_file) if gguf_file is not None else tokenizers_.load(checkpoint.path)
+        )
+        self.load_seconds = time.perf_counter() - start
+        self.max_model_len = cfg.resolved_max_model_len(self.model_config)
+        self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)
+        self.engine = Engine(self.runner, self.tokenizer, self.max_model_len)
+        self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
+        log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt: must not be empty")
+            return self.tokenizer.encode_prompt(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise RequestError("prompt: must be a string or a list of token ids")
+        return list(prompt)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts` (a string, a token-id list, or a list of either)."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.encode(p) for p in prompts]
+        return self.engine.generate(ids, self._per_request(params, len(ids)), on_finish)
+
+    def generate_chat(
+        self,
+        conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Applies the model's chat template (with a generation prompt) to each conversation."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        ids = [self.tokenizer.encode_chat(list(c)) for c in conversations]
+        return self.engine.generate(ids, self._per_request(params, len(ids)), on_finish)
+
+    @staticmethod
+    def _per_request(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * n
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise RequestError(f"params: {len(params)} sampling params for {n} prompts")
+        return params

@@ -1,0 +1,133 @@
+"""The Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5 with qkv bias, Qwen3 with q/k norm).
+
+Module and parameter names mirror Hugging Face's (`model.layers.0.self_attn.q_proj.kernel`), so a
+checkpoint maps onto the tree by name. The model knows nothing of requests: it maps a flat batch of
+tokens, their attention metadata and the per-layer paged KV caches to hidden states and new caches.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
+from jaxinfer.layers.basic import Embed, Linear, RMSNorm
+from jaxinfer.layers.rope import apply_rope, inverse_frequencies
+
+
+class KVCache(NamedTuple):
+    """One layer's page pools, each [num_pages, kv_heads, page_size, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+
+KV_CACHE_AXES = ("pages", "kv_heads", "page_slot", "head_dim")
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = Linear(e, h * d, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(e, kv * d, ("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(e, kv * d, ("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(h * d, e, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
+        else:
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.backend = backend
+
+    def __call__(
+        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+        cache = KVCache(self.backend.write(cache.k, k, meta), self.backend.write(cache.v, v, meta))
+        out = self.backend.attend(q, cache.k, cache.v, meta, self.head_dim**-0.5)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        e, m = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.up_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
+        self.down_proj = Linear(m, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(cfg, backend, dtype, rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(
+        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array
+    ) -> tuple[jax.Array, KVCache]:
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cache, meta, inv_freq)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), cache
+
+
+class LlamaModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, backend, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Decoder with a paged KV cache; `__call__` runs one ragged batch, `logits` projects rows."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: jnp.dtype = jnp.float32,
+        backend: AttentionBackend | None = None,
+        rngs: nnx.Rngs | None = None,
+    ):
+        self.config = cfg
+        self.dtype = dtype
+        self.model = LlamaModel(cfg, backend or ReferenceAttention(), dtype, rngs)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+        )
+
+    def __call__(
+        self, tokens: jax.Array, caches: tuple[KVCache, ...], meta: AttentionMetadata
+    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        """tokens [T] -> final-norm hidden states [T, hidden], updated caches (one per layer)."""
+        x = self.model.embed_tokens(tokens)
+        inv_freq = jnp.asarray(inverse_frequencies(self.config))
+        new_caches = []
+        for layer, cache in zip(self.model.layers, caches, strict=True):
+            x, cache = layer(x, cache, meta, inv_freq)
+            new_caches.append(cache)
+        return self.model.norm(x), tuple(new_caches)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """float32 logits [..., vocab] for the given hidden rows."""
+        if self.lm_head is None:
+            return self.model.embed_tokens.attend(hidden)
+        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)

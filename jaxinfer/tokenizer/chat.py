@@ -1,0 +1,89 @@
+"""Chat templates rendered so that message contents stay separate segments.
+
+The template (jinja2, as transformers renders it) is rendered with a unique placeholder in place
+of each message's content. The text between placeholders is the template's own (trusted: special
+tokens in it become special ids); each content segment is user text (special-token matching off).
+A probe with padded placeholders tells whether the template trims content, so that the segments
+equal what the template would have written.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from jaxinfer.errors import RequestError
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    trusted: bool  # True: template text; False: user-supplied content
+
+
+def _environment() -> jinja2.Environment:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+
+    def raise_exception(message: str) -> None:
+        raise RequestError(f"chat template: {message}")
+
+    env.globals["raise_exception"] = raise_exception
+    return env
+
+
+_ENV = _environment()
+
+
+class ChatTemplate:
+    def __init__(self, source: str, special_tokens: dict[str, str | None]):
+        self.source = source
+        self.template = _ENV.from_string(source)
+        self.special_tokens = {k: v or "" for k, v in special_tokens.items()}
+
+    def render_text(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+        """Plain render, as transformers' apply_chat_template(tokenize=False) does."""
+        return self.template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+        )
+
+    def render_segments(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[Segment]:
+        _validate(messages)
+        nonce = secrets.token_hex(6)
+        marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
+        padded = [dict(m, content=f" {mark} ") for m, mark in zip(messages, marks, strict=True)]
+        text = self.render_text(padded, add_generation_prompt)
+        pattern = re.compile("( ?)\ue000" + nonce + r":(\d+)\ue001( ?)")
+        segments: list[Segment] = []
+        cursor = 0
+        for match in pattern.finditer(text):
+            segments.append(Segment(text[cursor : match.start()], trusted=True))
+            content = messages[int(match.group(2))]["content"]
+            if not match.group(1):
+                content = content.lstrip()
+            if not match.group(3):
+                content = content.rstrip()
+            segments.append(Segment(content, trusted=False))
+            cursor = match.end()
+        segments.append(Segment(text[cursor:], trusted=True))
+        return [s for s in segments if s.text]
+
+
+_ROLE = re.compile(r"[a-z][a-z_]{0,31}")
+
+
+def _validate(messages: list[dict[str, Any]]) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages: must be a non-empty list of {role, content} objects")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"messages[{i}]: must be an object with role and content")
+        role = message.get("role")
+        if not isinstance(role, str) or not _ROLE.fullmatch(role):
+            raise RequestError(f"messages[{i}].role: must match {_ROLE.pattern} (for example user or assistant)")
+        if not isinstance(message.get("content"), str):
+            raise RequestError(f"messages[{i}].content: must be a string")

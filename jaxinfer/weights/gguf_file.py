@@ -1,0 +1,147 @@
+"""GGUF files: model config from metadata, and dequantized tensors in the engine's layout.
+
+llama.cpp's converter permutes the rows of Q and K for `llama` architecture files so that its
+RoPE kernel can rotate interleaved pairs; the engine (like transformers) rotates halves, so that
+permutation is undone here. Qwen2/Qwen3 files are written unpermuted.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+from jaxinfer.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxinfer.errors import CheckpointError
+
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.kernel",
+    "attn_k.weight": "self_attn.k_proj.kernel",
+    "attn_v.weight": "self_attn.v_proj.kernel",
+    "attn_output.weight": "self_attn.o_proj.kernel",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.kernel",
+    "ffn_up.weight": "mlp.up_proj.kernel",
+    "ffn_down.weight": "mlp.down_proj.kernel",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.kernel",
+}
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def engine_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _BLOCK.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+    return None
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Inverse of llama.cpp's `permute`: rows (h, pair, i) -> (h, i, pair), i.e. interleaved -> halves."""
+    rows = weight.shape[0]
+    split = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
+    return split.swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFCheckpoint:
+    """A GGUF file opened (memory-mapped) once; metadata, config and tensors read from it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(str(path))
+        except Exception as exc:  # the reader raises many types on a damaged file
+            raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({exc})") from None
+        size = path.stat().st_size
+        for tensor in self.reader.tensors:
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise CheckpointError(f"{path}: truncated file (tensor {tensor.name} ends past the end)")
+
+    def field(self, key: str, default: Any = None) -> Any:
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    @cached_property
+    def architecture(self) -> str:
+        return str(self.field("general.architecture", ""))
+
+    @cached_property
+    def tensor_names(self) -> set[str]:
+        return {t.name for t in self.reader.tensors}
+
+    def config(self) -> ModelConfig:
+        arch = self.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.path}: unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def meta(key: str, default: Any = None) -> Any:
+            value = self.field(f"{arch}.{key}", default)
+            if value is None:
+                raise CheckpointError(f"{self.path}: GGUF metadata lacks {arch}.{key}")
+            return value
+
+        num_heads = int(meta("attention.head_count"))
+        hidden = int(meta("embedding_length"))
+        tokens = self.field("tokenizer.ggml.tokens") or []
+        eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
+        rope_factors = self._rope_freq_factors()
+        return ModelConfig(
+            architecture=arch,
+            vocab_size=int(self.field(f"{arch}.vocab_size") or len(tokens)),
+            hidden_size=hidden,
+            intermediate_size=int(meta("feed_forward_length")),
+            num_layers=int(meta("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+            head_dim=int(meta("attention.key_length", hidden // num_heads)),
+            rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(meta("rope.freq_base", 10000.0)),
+            rope_freq_factors=rope_factors,
+            max_position_embeddings=int(meta("context_length", 4096)),
+            tie_word_embeddings="output.weight" not in self.tensor_names,
+            attention_bias="blk.0.attn_q.bias" in self.tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
+            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+        )
+
+    def _rope_freq_factors(self) -> tuple[float, ...] | None:
+        for tensor in self.reader.tensors:
+            if tensor.name == "rope_freqs.weight":
+                return tuple(float(x) for x in gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+        return None
+
+    def iter_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, str, np.ndarray]]:
+        for tensor in self.reader.tensors:
+            name = engine_name(tensor.name)
+            if name is None:
+                continue
+            try:
+                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+            except (ValueError, NotImplementedError) as exc:
+                raise CheckpointError(f"{self.path}: cannot dequantize tensor {tensor.name} ({exc})") from None
+            if cfg.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+                heads = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
+                if array.shape[0] % (2 * heads) == 0:
+                    array = unpermute_rows(array, heads)
+            if name.endswith(".kernel"):
+                array = np.ascontiguousarray(array.T)
+            yield name, tensor.name, array

@@ -1,0 +1,59 @@
+"""Hugging Face checkpoint folders: config.json and single or sharded *.safetensors.
+
+Tensors are yielded one at a time as (engine name, checkpoint name, array) in the engine's layout:
+linear weights are transposed from torch's [out, in] to [in, out].
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from jaxinfer.config import ModelConfig, read_hf_config
+from jaxinfer.errors import CheckpointError
+
+_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+
+
+def read_config(folder: Path) -> ModelConfig:
+    return read_hf_config(folder / "config.json")
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({folder / name for name in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder}: no *.safetensors files")
+    for f in files:
+        if not f.exists():
+            raise CheckpointError(f"{folder}: the index names {f.name}, which is missing")
+    return files
+
+
+def engine_name(hf_name: str) -> str:
+    if hf_name == "lm_head.weight":
+        return "lm_head.kernel"
+    return _LINEAR.sub(lambda m: f".{m.group(1)}.kernel", hf_name)
+
+
+def iter_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+    for file in safetensors_files(folder):
+        try:
+            with safe_open(file, framework="numpy") as f:
+                for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    array = f.get_tensor(hf_name)
+                    name = engine_name(hf_name)
+                    if name.endswith(".kernel"):
+                        array = np.ascontiguousarray(array.T)
+                    yield name, hf_name, array
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({exc})") from None

@@ -1,0 +1,138 @@
+"""Builds a sharded model from a checkpoint: abstract tree first, then each tensor placed directly.
+
+The model is created with `nnx.eval_shape` (no memory), and every parameter is filled from the
+checkpoint's tensor stream with `jax.device_put` to the sharding its logical axes give on the mesh,
+so at most one host copy of one tensor exists at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.layers.attention import AttentionBackend
+from jaxinfer.models import LlamaForCausalLM, model_class
+from jaxinfer.parallel import named_sharding
+from jaxinfer.weights import hf, orbax_io
+from jaxinfer.weights.gguf_file import GGUFCheckpoint
+from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    config: ModelConfig
+    model: LlamaForCausalLM
+    checkpoint: ResolvedCheckpoint
+
+
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, backend: AttentionBackend | None) -> LlamaForCausalLM:
+    cls = model_class(cfg.architecture)
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, backend=backend, rngs=None))
+
+
+def parameters(model: nnx.Module) -> dict[str, nnx.Param]:
+    """Engine names ("model.layers.0.mlp.up_proj.kernel") of every parameter."""
+    return {
+        ".".join(str(p) for p in path): node
+        for path, node in nnx.iter_graph(model)
+        if isinstance(node, nnx.Param)
+    }
+
+
+def fill(
+    model: LlamaForCausalLM,
+    tensors: Iterable[tuple[str, str, np.ndarray | jax.Array]],
+    mesh: Mesh,
+    source: str,
+) -> LlamaForCausalLM:
+    """Assigns checkpoint tensors to the abstract model's parameters, checking names and shapes."""
+    params = parameters(model)
+    filled: set[str] = set()
+    for name, checkpoint_name, array in tensors:
+        param = params.get(name)
+        if param is None:
+            log.debug("%s: ignoring tensor %s", source, checkpoint_name)
+            continue
+        expected = tuple(param.get_value().shape)
+        if tuple(array.shape) != expected:
+            raise CheckpointError(
+                f"{source}: tensor {checkpoint_name} has shape {tuple(array.shape)}, expected {expected} "
+                f"(after converting to the engine layout)"
+            )
+        dtype = param.get_value().dtype
+        sharding = named_sharding(expected, param.logical_axes, mesh)
+        param.set_value(jax.device_put(_cast(array, dtype), sharding))
+        filled.add(name)
+    missing = sorted(set(params) - filled)
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"{source}: missing tensor(s) {shown}")
+    return model
+
+
+def _cast(array: np.ndarray | jax.Array, dtype: jnp.dtype) -> np.ndarray | jax.Array:
+    if isinstance(array, np.ndarray):
+        return np.asarray(array, dtype=dtype)
+    return array.astype(dtype)
+
+
+def load_model(
+    name_or_path: str | Path | ResolvedCheckpoint,
+    mesh: Mesh,
+    dtype: jnp.dtype = jnp.float32,
+    backend: AttentionBackend | None = None,
+    gguf_file: GGUFCheckpoint | None = None,
+) -> LoadedModel:
+    """Loads a registry name or path; pass an already opened `gguf_file` to avoid reading it twice."""
+    checkpoint = name_or_path if isinstance(name_or_path, ResolvedCheckpoint) else resolve(name_or_path)
+    source = str(checkpoint.path)
+    if checkpoint.kind == "gguf":
+        gguf_file = gguf_file or GGUFCheckpoint(checkpoint.path)
+        cfg = gguf_file.config()
+        tensors: Iterable = gguf_file.iter_tensors(cfg)
+    elif checkpoint.kind == "hf":
+        cfg = hf.read_config(checkpoint.path)
+        tensors = hf.iter_tensors(checkpoint.path)
+    else:
+        cfg = orbax_io.read_config(checkpoint.path)
+        model = abstract_model(cfg, dtype, backend)
+        tensors = orbax_io.restore_tensors(checkpoint.path, parameters(model), mesh)
+        return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
+    model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source)
+    return LoadedModel(cfg, model, checkpoint)
+
+
+def random_model(
+    cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None = None, seed: int = 0
+) -> LlamaForCausalLM:
+    """A model with N(0, 0.02) weights generated directly on device with their shardings (benchmarks)."""
+    model = abstract_model(cfg, dtype, backend)
+    key = jax.random.key(seed)
+
+    def tensors():
+        for i, (name, param) in enumerate(sorted(parameters(model).items())):
+            shape = tuple(param.get_value().shape)
+            sharding = named_sharding(shape, param.logical_axes, mesh)
+            if name.endswith("norm.weight"):
+                make = jax.jit(lambda shape=shape: jnp.ones(shape, dtype), out_shardings=sharding)
+                yield name, name, make()
+                continue
+            make = jax.jit(
+                lambda k, shape=shape: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
+                out_shardings=sharding,
+            )
+            yield name, name, make(jax.random.fold_in(key, i))
+
+    return fill(model, tensors(), mesh, f"random {cfg.architecture}")
