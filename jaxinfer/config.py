@@ -165,7 +165,7 @@ class EngineConfig:
     mesh_model: int = 0  # 0: all remaining devices
     compile_guard: str = "warn"  # off | warn | raise
     warmup: bool = True
-    compilation_cache_dir: str = ""
+    compilation_cache_dir: str = ""  # "": $JAXINFER_COMPILATION_CACHE or ~/.cache/jaxinfer/xla; "off"
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,6 +29,13 @@ log = logging.getLogger(__name__)
 Prompt = str | list[int]
 
 
+def enable_compilation_cache(setting: str) -> None:
+    """Persistent XLA cache: the setting, else $JAXINFER_COMPILATION_CACHE, else ~/.cache; "off" disables."""
+    path = setting or os.environ.get("JAXINFER_COMPILATION_CACHE") or str(Path.home() / ".cache/jaxinfer/xla")
+    if path != "off":
+        jax.config.update("jax_compilation_cache_dir", path)
+
+
 def resolve_dtype(name: str) -> jnp.dtype:
     if name == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
@@ -41,8 +49,7 @@ class LLM:
                  **overrides: Any):
         cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
         self.config = cfg = cfg.replace(**overrides) if overrides else cfg
-        if cfg.compilation_cache_dir:
-            jax.config.update("jax_compilation_cache_dir", cfg.compilation_cache_dir)
+        enable_compilation_cache(cfg.compilation_cache_dir)
         start = time.perf_counter()
         self.dtype = resolve_dtype(cfg.dtype)
         self.mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)

@@ -72,10 +72,11 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int):
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int, num_pages: int | None = None):
+        """`num_pages` below the device pool's size limits what this engine may use (tests of preemption)."""
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
         self.cfg = runner.cfg
-        self.pool = PagePool(self.cfg.num_pages)
+        self.pool = PagePool(min(num_pages or self.cfg.num_pages, self.cfg.num_pages))
         self.stats = EngineStats()
         self._rng = random.Random(self.cfg.seed)
         self._arrivals = 0
@@ -113,19 +114,26 @@ class Engine:
         waiting = deque(self._new_sequence(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params, strict=True)))
         running: list[Sequence] = []
         outputs: dict[int, RequestOutput] = {}
-        while waiting or running:
-            chunks = self._schedule(waiting, running)
-            if not chunks:
-                raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
-            self._execute(chunks)
-            for seq in [c.seq for c in chunks if c.seq.finish_reason]:
-                running.remove(seq)
-                self.pool.free(seq.pages)
-                seq.pages = []
-                outputs[seq.index] = out = self._output(seq)
-                if on_finish:
-                    on_finish(out)
+        try:
+            while waiting or running:
+                chunks = self._schedule(waiting, running)
+                if not chunks:
+                    raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
+                self._execute(chunks)
+                for seq in [c.seq for c in chunks if c.seq.finish_reason]:
+                    running.remove(seq)
+                    self._release(seq)
+                    outputs[seq.index] = out = self._output(seq)
+                    if on_finish:
+                        on_finish(out)
+        finally:
+            for seq in running:  # an error mid-run must not leak pages
+                self._release(seq)
         return [outputs[i] for i in range(len(prompts))]
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.pages)
+        seq.pages = []
 
     # -- scheduling --------------------------------------------------------------------------
     def _new_sequence(self, index: int, ids: list[int], params: SamplingParams) -> Sequence:

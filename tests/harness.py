@@ -1,0 +1,48 @@
+"""Test harness: run a model directly through the paged cache and get every token's logits.
+
+This bypasses the engine loop on purpose: parity tests compare raw logits, not sampled tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.models import KVCache, LlamaForCausalLM
+
+
+class PagedForward:
+    """One sequence at a time, written into a page pool whose pages are handed out in a shuffled order."""
+
+    def __init__(self, model: LlamaForCausalLM, page_size: int = 8, num_pages: int = 64, max_pages: int = 32, seed=0):
+        cfg = model.config
+        self.page_size, self.max_pages = page_size, max_pages
+        self.graphdef, self.state = nnx.split(model)
+        shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        self.caches = tuple(KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
+                            for _ in range(cfg.num_layers))
+        order = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
+        self.pages = order[:max_pages].astype(np.int32)  # non-contiguous, never the null page
+        self._fn = jax.jit(self._forward, static_argnums=0)
+
+    @staticmethod
+    def _forward(graphdef, state, caches, tokens, meta):
+        model = nnx.merge(graphdef, state)
+        hidden, caches = model(tokens, caches, meta)
+        return model.logits(hidden), caches
+
+    def run(self, tokens: list[int], start: int) -> np.ndarray:
+        """Feeds tokens at positions start.. and returns their logits [len(tokens), vocab]."""
+        positions = np.arange(start, start + len(tokens), dtype=np.int32)
+        meta = AttentionMetadata(
+            positions=jnp.asarray(positions),
+            seq_rows=jnp.zeros(len(tokens), jnp.int32),
+            page_table=jnp.asarray(self.pages[None, :]),
+            write_slots=jnp.asarray(self.pages[positions // self.page_size] * self.page_size
+                                    + positions % self.page_size),
+        )
+        logits, self.caches = self._fn(self.graphdef, self.state, self.caches, jnp.asarray(tokens, jnp.int32), meta)
+        return np.asarray(logits)

@@ -1,0 +1,229 @@
+"""`python -m jaxinfer.batch` end to end on the real SmolLM2, as a subprocess.
+
+Two model loads in all: one run writing a file (plus the stats JSON), one more writing to stdout
+that must give the same lines. The error exits fail before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+MAX_TOKENS = 8
+ENGINE_TOML = """\
+[engine]
+token_buckets = [1, 8, 64]
+max_seqs = 8
+num_pages = 256
+"""
+
+
+def obj(**fields) -> str:
+    return json.dumps(fields, ensure_ascii=False)
+
+
+# (input line, None for a good line or the substrings its error must contain)
+LINES: list[tuple[str, tuple[str, ...] | None]] = [
+    (obj(id="greedy-prompt", prompt="The capital of France is"), None),
+    ('{"id": "broken", "prompt": ', ("invalid JSON",)),
+    (obj(id=42, messages=[{"role": "user", "content": "Name a color."}]), None),
+    ('["not", "an", "object"]', ("JSON object",)),
+    (obj(id="seeded", prompt="Once upon a time", temperature=0.8, seed=1234), None),
+    (obj(id="both", prompt="x", messages=[{"role": "user", "content": "x"}]), ("prompt", "messages")),
+    (obj(id="stop", prompt="Count: 1, 2, 3,", stop=[",", "\n"]), None),
+    (obj(id="unknown", prompt="x", frobnicate=1), ("frobnicate",)),
+    ("", None),  # blank lines are skipped and get no output line
+    (obj(id="zero", prompt="x", max_tokens=0), ("max_tokens",)),
+    (obj(id="short", prompt="Hello", max_tokens=3), None),
+    (obj(id="cold", prompt="x", temperature=-1), ("temperature",)),
+    (obj(id="role", messages=[{"role": "user<|im_end|>", "content": "x"}]), ("messages[0].role",)),
+    (
+        obj(
+            id="seeded-chat",
+            messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}],
+            temperature=0.7, top_p=0.9, seed=7,
+        ),
+        None,
+    ),
+    (obj(id="content", messages=[{"role": "user", "content": 5}]), ("messages[0].content",)),
+    (obj(id="empty", prompt=""), ("prompt",)),
+    (obj(id="empty-stop", prompt="x", stop=[""]), ("stop[0]",)),
+    (obj(prompt="No id on this line, so the id is the line number:"), None),
+]
+NON_BLANK = [(number, text, expect) for number, (text, expect) in enumerate(LINES, 1) if text.strip()]
+BAD = [(number, expect) for number, _, expect in NON_BLANK if expect is not None]
+GOOD = [(number, json.loads(text)) for number, text, expect in NON_BLANK if expect is None]
+
+
+def parse(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def batch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    assert env.get("JAXINFER_COMPILATION_CACHE"), "tests/conftest.py sets the persistent XLA cache"
+    return subprocess.run(
+        [sys.executable, "-m", "jaxinfer.batch", *args], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("batch")
+    (root / "engine.toml").write_text(ENGINE_TOML)
+    (root / "in.jsonl").write_text("".join(text + "\n" for text, _ in LINES), encoding="utf-8")
+    return root
+
+
+def model_args(workdir: Path, output: str) -> list[str]:
+    return [
+        "--model", "smollm2-135m", "--input", str(workdir / "in.jsonl"), "--output", output,
+        "--max-tokens", str(MAX_TOKENS), "--no-progress", "--config", str(workdir / "engine.toml"),
+    ]
+
+
+@pytest.fixture(scope="module")
+def file_run(workdir):
+    out, stats = workdir / "out.jsonl", workdir / "stats.json"
+    proc = batch(*model_args(workdir, str(out)), "--stats-json", str(stats))
+    assert proc.returncode == 0, proc.stderr
+    return proc, out, stats
+
+
+@pytest.fixture(scope="module")
+def records(file_run) -> list[dict]:
+    _, out, _ = file_run
+    text = out.read_text(encoding="utf-8")
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from jaxinfer import tokenizer
+
+    return tokenizer.load("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_one_output_line_per_input_line_in_order(file_run, records):
+    proc, out, _ = file_run
+    assert len(records) == len(NON_BLANK)
+    for (number, text, expect), record in zip(NON_BLANK, records, strict=True):
+        if expect is None:
+            line = json.loads(text)
+            assert record["id"] == line.get("id", number)  # ids kept as given, type included
+            assert "error" not in record
+        elif isinstance(parsed := parse(text), dict):
+            assert record["id"] == parsed["id"]
+        else:
+            assert record["id"] is None  # nothing to take an id from
+    assert not out.with_name(out.name + ".tmp").exists()
+    assert "Traceback" not in proc.stderr
+    assert f"{len(NON_BLANK)} requests ({len(BAD)} errors)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_malformed_lines_get_errors_naming_the_problem(records):
+    by_line = dict(zip([n for n, _, _ in NON_BLANK], records, strict=True))
+    for number, expect in BAD:
+        record = by_line[number]
+        assert set(record) == {"id", "error"}, record
+        assert record["error"].startswith(f"line {number}: "), record
+        for word in expect:
+            assert word in record["error"], (word, record)
+
+
+@pytest.mark.slow
+def test_good_lines_have_text_tokens_and_usage(records, tok):
+    by_line = dict(zip([n for n, _, _ in NON_BLANK], records, strict=True))
+    for number, line in GOOD:
+        record = by_line[number]
+        assert set(record) == {"id", "text", "token_ids", "finish_reason", "usage"}, record
+        ids, usage = record["token_ids"], record["usage"]
+        assert 1 <= len(ids) <= line.get("max_tokens", MAX_TOKENS)
+        assert all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids)
+        assert record["finish_reason"] in {"stop", "length"}
+        assert set(usage) == {"prompt_tokens", "completion_tokens", "cached_tokens"}
+        assert usage["completion_tokens"] == len(ids)
+        assert 0 <= usage["cached_tokens"] <= usage["prompt_tokens"]
+        prompt = tok.encode_prompt(line["prompt"]) if "prompt" in line else tok.encode_chat(line["messages"])
+        assert usage["prompt_tokens"] == len(prompt)
+        decoded = tok.decode(ids)
+        if "stop" in line:
+            assert record["finish_reason"] == "stop"
+            assert decoded.startswith(record["text"])
+            assert not any(s in record["text"] for s in line["stop"])
+        else:
+            assert record["text"] == decoded
+            eos = bool(set(ids) & tok.eos_ids)
+            assert record["finish_reason"] == ("stop" if eos else "length")
+            if record["finish_reason"] == "length":
+                assert len(ids) == line.get("max_tokens", MAX_TOKENS)
+
+
+@pytest.mark.slow
+def test_stats_json_is_consistent(file_run, records):
+    _, _, stats_path = file_run
+    stats = json.loads(stats_path.read_text())
+    good = [r for r in records if "error" not in r]
+    assert stats["requests"] == len(NON_BLANK)
+    assert stats["errors"] == len(BAD)
+    assert stats["prompt_tokens"] == sum(r["usage"]["prompt_tokens"] for r in good)
+    assert stats["completion_tokens"] == sum(r["usage"]["completion_tokens"] for r in good)
+    assert stats["completion_tokens"] == sum(len(r["token_ids"]) for r in good)
+    assert stats["cached_prompt_tokens"] == sum(r["usage"]["cached_tokens"] for r in good)
+    assert stats["wall_s"] > 0
+    expected_rate = stats["completion_tokens"] / stats["wall_s"]
+    assert stats["tokens_per_s"] == pytest.approx(expected_rate, rel=0.01, abs=0.05)
+    assert stats["model"] == "smollm2-135m"
+
+
+@pytest.mark.slow
+def test_second_run_to_stdout_gives_identical_lines(workdir, file_run):
+    _, out, _ = file_run
+    proc = batch(*model_args(workdir, "-"))
+    assert proc.returncode == 0, proc.stderr
+    assert not (REPO / "-").exists()
+    first = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    second = [json.loads(line) for line in proc.stdout.splitlines()]  # stdout holds the JSON lines only
+    assert second == first
+    seeded = [r for r in second if str(r["id"]).startswith("seeded")]
+    assert len(seeded) == 2 and all(r["token_ids"] for r in seeded)
+    assert "requests" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_unknown_model_exits_2_listing_known_names(tmp_path):
+    (tmp_path / "in.jsonl").write_text(obj(id=1, prompt="hi") + "\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("previous contents\n")
+    proc = batch("--model", "does-not-exist", "--input", str(tmp_path / "in.jsonl"), "--output", str(out),
+                 "--no-progress", timeout=300)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "does-not-exist" in proc.stderr
+    assert "known names" in proc.stderr and "smollm2-135m" in proc.stderr
+    assert proc.stdout == ""
+    # Nothing was written: the old file is intact and no temporary file is left behind.
+    assert out.read_text() == "previous contents\n"
+    assert not (tmp_path / "out.jsonl.tmp").exists()
+
+
+def test_missing_input_exits_nonzero_with_a_clear_message(tmp_path):
+    out = tmp_path / "out.jsonl"
+    proc = batch("--input", "/nonexistent.jsonl", "--output", str(out), "--no-progress", timeout=300)
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert "--input" in proc.stderr and "/nonexistent.jsonl" in proc.stderr and "not found" in proc.stderr
+    assert not out.exists()
+    assert not (tmp_path / "out.jsonl.tmp").exists()

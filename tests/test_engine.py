@@ -1,0 +1,174 @@
+"""The engine on the real SmolLM2: paging, batching, preemption, stops, seeds, compile guard, validation."""
+
+from __future__ import annotations
+
+import random
+
+import jax
+import pytest
+
+from jaxinfer import SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.errors import CompileAfterWarmupError, RequestError
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while seven bright stars shine above quiet hills"
+).split()
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def alone(smollm2_llm):
+    """Greedy output of each prompt run by itself (the reference for batched runs)."""
+    return {p: smollm2_llm.generate([p], GREEDY)[0].token_ids for p in prompts(6)}
+
+
+def test_batched_prompts_of_different_lengths_match_each_alone(smollm2_llm, alone):
+    texts = list(alone)
+    lengths = [len(smollm2_llm.encode(t)) for t in texts]
+    assert max(lengths) > 5 * smollm2_llm.config.page_size  # sequences span many pages
+    outputs = smollm2_llm.generate(texts, GREEDY)
+    assert [o.token_ids for o in outputs] == [alone[t] for t in texts]
+    assert [o.usage.prompt_tokens for o in outputs] == lengths
+
+
+def test_preemption_keeps_outputs_and_frees_every_page(smollm2_llm, alone):
+    texts = list(alone)
+    # A pool that holds about two sequences at once forces preemption and recomputation.
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, num_pages=22)
+    ids = [smollm2_llm.encode(t) for t in texts]
+    outputs = engine.generate(ids, [GREEDY] * len(ids))
+    assert engine.stats.preemptions > 0
+    assert [o.token_ids for o in outputs] == [alone[t] for t in texts]
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_no_compile_after_warmup_across_random_workload(smollm2_llm):
+    compiles: list[str] = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if "compile" in event and "backend" in event:
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    before = smollm2_llm.runner.num_compiles
+    rng = random.Random(1)
+    texts = [*prompts(10, seed=2), " ".join(WORDS * 8)]  # one prompt longer than the largest bucket
+    params = [
+        SamplingParams(
+            max_tokens=rng.randint(1, 10),
+            temperature=rng.choice([0.0, 0.7]),
+            top_k=rng.choice([0, 5]),
+            seed=rng.randint(0, 99),
+        )
+        for _ in texts
+    ]
+    smollm2_llm.generate(texts, params)
+    assert smollm2_llm.runner.num_compiles == before
+    assert smollm2_llm.runner.compiles_after_warmup == 0
+    assert compiles == []
+
+
+def test_compile_guard_raises_for_an_unwarmed_bucket(smollm2_llm):
+    runner = smollm2_llm.runner
+    executable = runner._executables.pop(64)
+    try:
+        with pytest.raises(CompileAfterWarmupError):
+            smollm2_llm.generate([" ".join(WORDS * 3)], GREEDY)
+    finally:
+        runner._executables[64] = executable
+        runner.compiles_after_warmup = 0
+    assert smollm2_llm.engine.pool.num_free == smollm2_llm.engine.pool.capacity
+
+
+def test_finish_reasons_and_usage(smollm2_llm):
+    chat = [{"role": "user", "content": "Say OK."}]
+    short = smollm2_llm.generate_chat(chat, SamplingParams(max_tokens=3, temperature=0.0))[0]
+    assert short.finish_reason == "length" and len(short.token_ids) == 3
+    full = smollm2_llm.generate_chat(chat, SamplingParams(max_tokens=64, temperature=0.0))[0]
+    assert full.finish_reason == "stop"
+    assert full.token_ids[-1] in smollm2_llm.tokenizer.eos_ids
+    assert full.usage.completion_tokens == len(full.token_ids)
+    assert "<|im_end|>" not in full.text
+    ignoring = smollm2_llm.generate_chat(
+        chat, SamplingParams(max_tokens=len(full.token_ids) + 3, temperature=0.0, ignore_eos=True)
+    )[0]
+    assert ignoring.finish_reason == "length"
+    assert ignoring.token_ids[: len(full.token_ids)] == full.token_ids
+
+
+def test_stop_string_spanning_tokens_is_cut(smollm2_llm):
+    prompt = "The history of the Roman Empire"
+    free = smollm2_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0))[0]
+    pieces = [smollm2_llm.tokenizer.decode(free.token_ids[:i]) for i in range(len(free.token_ids) + 1)]
+    # A stop string made of the last 3 characters of the first 6 tokens and the next 3 characters.
+    boundary = len(pieces[6])
+    stop = free.text[boundary - 3 : boundary + 3]
+    assert len(stop) == 6 and free.text.find(stop) == boundary - 3
+    completing = next(i for i, piece in enumerate(pieces) if stop in piece)  # the token that completes it
+    assert completing > 6
+    stopped = smollm2_llm.generate([prompt], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free.text[: boundary - 3]
+    assert stopped.token_ids == free.token_ids[:completing]
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(smollm2_llm):
+    prompt = "Once upon a time"
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.95, seed=1234)
+    alone = smollm2_llm.generate([prompt], seeded)[0].token_ids
+    mixed = smollm2_llm.generate([*prompts(3, seed=9), prompt], [GREEDY] * 3 + [seeded])[-1].token_ids
+    assert alone == mixed
+    others = {
+        tuple(smollm2_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=1.0, seed=s))[0].token_ids)
+        for s in range(3)
+    }
+    assert len(others) > 1  # different seeds really sample differently
+    top1 = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0, top_k=1, seed=5))[0]
+    assert top1.token_ids == smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0].token_ids
+
+
+def test_logprobs_are_returned_on_request(smollm2_llm):
+    out = smollm2_llm.generate(["Hello"], SamplingParams(max_tokens=5, temperature=0.0, logprobs=True))[0]
+    assert out.logprobs is not None and len(out.logprobs) == 5
+    assert all(lp <= 0.0 for lp in out.logprobs)
+    assert smollm2_llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].logprobs is None
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"),
+    [
+        ("", SamplingParams(), "prompt"),
+        ([], SamplingParams(), "prompt"),
+        ([1, 2, 10**6], SamplingParams(), "prompt_token_ids"),
+        ("word " * 5000, SamplingParams(), "prompt"),
+        ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
+    ],
+)
+def test_invalid_requests_name_the_field(smollm2_llm, prompt, params, field):
+    with pytest.raises(RequestError, match=field):
+        smollm2_llm.generate([prompt], params)
+    assert smollm2_llm.engine.pool.num_free == smollm2_llm.engine.pool.capacity
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"seed": -1}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ],
+)
+def test_sampling_params_validation(kwargs, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kwargs)
