@@ -75,7 +75,7 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
-        return Job(number, None, error=f"line {number}: invalid JSON ({exc.msg} at column {exc.colno})")
+        return Job(number, None, error=f"line {number}: invalid JSON ({exc.msg}, column {exc.colno})")
     if not isinstance(record, dict):
         return Job(number, None, error=f"line {number}: expected a JSON object")
     job = Job(number, record.get("id", number))

@@ -278,11 +278,6 @@ def test_chat_template_matches_transformers(tok, hf, messages):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="encode_chat tokenizes template text and content separately, so a pre-tokenizer chunk that "
-    "spans the boundary (the template's '\\n' plus leading whitespace of the content) is split in two",
-)
 @pytest.mark.parametrize("content", ["  two leading spaces", "\n\nleading newlines", "   "])
 def test_chat_template_leading_whitespace_matches_transformers(tok, hf, content):
     messages = [{"role": "user", "content": content}]

@@ -8,6 +8,7 @@ only text the engine or the chat template wrote.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,9 @@ class Tokenizer:
         self.special_ids = frozenset(
             i for i, tok in self._trusted.get_added_tokens_decoder().items() if tok.special
         )
+        self._special_by_name = self.special_token_names()
+        by_length = sorted(self._special_by_name, key=len, reverse=True)
+        self._special_pattern = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
         specials = {"bos_token": bos_token, "eos_token": self.primary_eos}
         self.chat_template = ChatTemplate(chat_template, specials) if chat_template else None
 
@@ -70,10 +74,23 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass chat_template= to load()")
+        # Special tokens are taken only from the template's own text; everything between them
+        # (template text and content joined, so whitespace runs across a boundary merge exactly as
+        # in the plain rendering) is encoded with special-token matching off.
         ids: list[int] = []
+        pending = ""
         for segment in self.chat_template.render_segments(messages, add_generation_prompt):
-            ids += self.encode_trusted(segment.text) if segment.trusted else self.encode_user(segment.text)
-        return ids
+            if not segment.trusted:
+                pending += segment.text
+                continue
+            cursor = 0
+            for match in self._special_pattern.finditer(segment.text):
+                pending += segment.text[cursor : match.start()]
+                ids += self.encode_user(pending) if pending else []
+                ids.append(self._special_by_name[match.group()])
+                pending, cursor = "", match.end()
+            pending += segment.text[cursor:]
+        return ids + (self.encode_user(pending) if pending else [])
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._trusted.decode(list(ids), skip_special_tokens=skip_special_tokens)

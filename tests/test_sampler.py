@@ -1,0 +1,75 @@
+"""The on-device sampler on a tiny vocabulary: supports of top-k/top-p/min-p, distribution, seeds."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxinfer.engine.sampler import SamplingInputs, sample
+
+LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
+
+
+def draw(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, logits=LOGITS, seed=0) -> np.ndarray:
+    """n samples of one row, each with its own step (as successive tokens of one request would)."""
+    params = SamplingInputs(
+        temperature=jnp.full(n, temperature, jnp.float32),
+        top_k=jnp.full(n, top_k, jnp.int32),
+        top_p=jnp.full(n, top_p, jnp.float32),
+        min_p=jnp.full(n, min_p, jnp.float32),
+        seed=jnp.full(n, seed, jnp.uint32),
+        step=jnp.arange(n, dtype=jnp.int32),
+    )
+    tokens, _ = jax.jit(sample)(jnp.tile(jnp.asarray(logits), (n, 1)), params)
+    return np.asarray(tokens)
+
+
+def test_temperature_one_matches_the_softmax_distribution():
+    counts = np.bincount(draw(20000), minlength=6)
+    p = np.exp(LOGITS.astype(np.float64))
+    expected = p / p.sum() * counts.sum()
+    assert stats.chisquare(counts, expected).pvalue > 0.01
+
+
+def test_temperature_sharpens_and_flattens():
+    cold = np.bincount(draw(4000, temperature=0.3), minlength=6) / 4000
+    hot = np.bincount(draw(4000, temperature=3.0), minlength=6) / 4000
+    assert cold[0] > 0.7 and hot[0] < 0.3
+
+
+@pytest.mark.parametrize(("kwargs", "support"), [
+    ({"top_k": 2}, {0, 1}),
+    ({"top_p": 0.6}, {0, 1}),  # 0.4 < 0.6, then 0.4 + 0.25 reaches it
+    ({"top_p": 0.3}, {0}),
+    ({"min_p": 0.3}, {0, 1, 2}),  # p >= 0.3 * 0.4
+    ({"top_k": 4, "top_p": 0.9, "min_p": 0.2}, {0, 1, 2, 3}),
+])
+def test_filters_restrict_the_support(kwargs, support):
+    tokens = set(draw(3000, **kwargs).tolist())
+    assert tokens == support
+
+
+def test_top_k_renormalizes_within_the_kept_set():
+    counts = np.bincount(draw(20000, top_k=3), minlength=6)
+    assert counts[3:].sum() == 0
+    counts = counts[:3]
+    p = np.exp(LOGITS[:3].astype(np.float64)) / np.exp(LOGITS[:3].astype(np.float64)).sum()
+    assert stats.chisquare(counts, p * counts.sum()).pvalue > 0.01
+
+
+def test_same_seed_same_tokens_other_seed_other_tokens():
+    assert (draw(200, seed=11) == draw(200, seed=11)).all()
+    assert (draw(200, seed=11) != draw(200, seed=12)).any()
+
+
+def test_greedy_rows_next_to_sampled_rows_and_logprobs():
+    logits = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]))
+    params = SamplingInputs(
+        temperature=jnp.array([0.0, 1.0]), top_k=jnp.array([0, 1]), top_p=jnp.ones(2), min_p=jnp.zeros(2),
+        seed=jnp.array([1, 2], jnp.uint32), step=jnp.zeros(2, jnp.int32))
+    tokens, logprobs = sample(logits, params)
+    assert tokens.tolist() == [0, 5]
+    np.testing.assert_allclose(np.asarray(logprobs), [np.log(0.4), np.log(0.4)], rtol=1e-5)

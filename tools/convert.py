@@ -1,0 +1,58 @@
+"""Converts a checkpoint (registry name, GGUF file or HF folder) to the native orbax format.
+
+    python tools/convert.py --model smollm2-135m --output /tmp/smollm2-orbax [--dtype bfloat16]
+
+The output folder holds the orbax-saved weights, the model config and the tokenizer; `--model` of
+the engine and the batch runner accepts it, and restore places every array directly with its
+sharding on the target mesh (which may differ from the mesh used here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from jaxinfer import tokenizer as tokenizers_
+from jaxinfer.errors import JaxinferError
+from jaxinfer.parallel import make_mesh
+from jaxinfer.weights import orbax_io
+from jaxinfer.weights.gguf_file import GGUFCheckpoint
+from jaxinfer.weights.loader import load_model, parameters
+from jaxinfer.weights.registry import resolve
+
+
+def convert(model: str, output: Path, dtype: str, mesh_model: int) -> float:
+    start = time.perf_counter()
+    checkpoint = resolve(model)
+    gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
+    mesh = make_mesh(1, mesh_model)
+    loaded = load_model(checkpoint, mesh, jnp.dtype(dtype), gguf_file=gguf_file)
+    tok = tokenizers_.from_gguf(gguf_file) if gguf_file else tokenizers_.load(checkpoint.path)
+    output.mkdir(parents=True, exist_ok=True)
+    tok.save(output)
+    orbax_io.save(output, loaded.config, parameters(loaded.model), dtype=dtype, source=checkpoint.name)
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True, help="registry name, GGUF file or HF folder")
+    p.add_argument("--output", required=True, type=Path)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--mesh-model", type=int, default=1, help="devices the weights are sharded over while saving")
+    args = p.parse_args(argv)
+    try:
+        seconds = convert(args.model, args.output, args.dtype, args.mesh_model)
+    except JaxinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.output} in {seconds:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
