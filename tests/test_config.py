@@ -1,0 +1,49 @@
+"""Engine configuration: the shipped TOML files load, and bad settings name the field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.config import EngineConfig, ModelConfig, load_engine_config
+from jaxinfer.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("engine-*.toml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_engine_configs_load(path):
+    cfg = load_engine_config(path)
+    assert isinstance(cfg, EngineConfig) and cfg.token_buckets == tuple(sorted(cfg.token_buckets))
+
+
+def test_overrides_apply_over_the_file():
+    cfg = load_engine_config(CONFIGS[0], max_seqs=3, page_size=None)
+    assert cfg.max_seqs == 3 and cfg.page_size == load_engine_config(CONFIGS[0]).page_size
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"page_size": 0}, "page_size"), ({"num_pages": 1}, "num_pages"), ({"token_buckets": (8, 4)}, "token_buckets"),
+    ({"compile_guard": "loud"}, "compile_guard"), ({"dtype": "int8"}, "dtype"), ({"bogus": 1}, "bogus"),
+])
+def test_bad_engine_settings_name_the_field(changes, field):
+    with pytest.raises(ConfigError, match=field):
+        EngineConfig().replace(**changes)
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[engine\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_engine_config(bad)
+    with pytest.raises(ConfigError, match="not found"):
+        load_engine_config(tmp_path / "none.toml")
+
+
+def test_page_table_width_tiles_the_attention_blocks():
+    model = ModelConfig(architecture="llama", vocab_size=10, hidden_size=8, intermediate_size=8, num_layers=1,
+                        num_heads=2, num_kv_heads=1, head_dim=4, max_position_embeddings=1000)
+    cfg = EngineConfig(page_size=16, attention_block_tokens=128)
+    assert cfg.resolved_max_model_len(model) == 1000
+    assert cfg.max_pages_per_seq(model) % 8 == 0 and cfg.max_pages_per_seq(model) * 16 >= 1000
