@@ -61,8 +61,9 @@ def bench_jaxinfer(args: argparse.Namespace) -> dict[int, float]:
 
 
 def bench_peer(args: argparse.Namespace) -> dict[int, float]:
-    command = [sys.executable, str(args.peer), "--shape", "smollm2-135m", "--device", "cpu", "--batch",
-               *map(str, args.batch), "--in-len", str(args.in_len), "--out-len", str(args.out_len)]
+    runner = REPO / "tools" / "run_peer.py"
+    command = [sys.executable, str(runner), str(args.peer), "--shape", "smollm2-135m", "--device", "cpu",
+               "--batch", *map(str, args.batch), "--in-len", str(args.in_len), "--out-len", str(args.out_len)]
     proc = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
     if proc.returncode != 0:
         emit(dict(what="peer_error", stderr=proc.stderr[-2000:]))

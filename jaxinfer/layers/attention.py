@@ -80,10 +80,12 @@ class ReferenceAttention:
 
         def one_tile(i: jax.Array) -> jax.Array:
             q_i, pos_i, rows_i = q_tiles[i], pos_tiles[i], row_tiles[i]
+            if tile == 1:  # one token is always one sequence
+                return block.shared_sequence(q_i, pos_i, rows_i)
             single = jnp.all(rows_i == rows_i[0])
             return lax.cond(single, block.shared_sequence, block.per_token, q_i, pos_i, rows_i)
 
-        out = lax.map(one_tile, jnp.arange(num_tiles))
+        out = one_tile(0)[None] if num_tiles == 1 else lax.map(one_tile, jnp.arange(num_tiles))
         return out.reshape(num_tokens, num_heads, head_dim).astype(q.dtype)
 
 
