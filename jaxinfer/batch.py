@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from jaxinfer.engine.params import SamplingParams
+from jaxinfer.engine.params import Request, SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -86,8 +86,8 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
             raise RequestError(f"unknown field(s) {', '.join(unknown)}")
         if has_prompt == has_messages:
             raise RequestError("give exactly one of prompt or messages")
-        if has_prompt and (not isinstance(record["prompt"], str) or not record["prompt"]):
-            raise RequestError("prompt: must be a non-empty string")
+        if has_prompt and not (isinstance(record["prompt"], str | list) and record["prompt"]):
+            raise RequestError('prompt: must be a non-empty string or a list of parts (strings and {"special": NAME})')
         if has_messages and not isinstance(record["messages"], list):
             raise RequestError("messages: must be a list of {role, content} objects")
         overrides = {k: record[k] for k in SAMPLING_FIELDS if k in record}
@@ -105,9 +105,11 @@ def read_jobs(stream: TextIO, defaults: dict[str, Any]) -> list[Job]:
     return [parse_line(n, line, defaults) for n, line in enumerate(stream, 1) if line.strip()]
 
 
-def encode(llm, job: Job) -> list[int] | None:
+def to_request(llm, job: Job) -> Request | None:
     try:
-        return llm.tokenizer.encode_chat(job.messages) if job.messages is not None else llm.encode(job.prompt)
+        if job.messages is not None:
+            return llm.chat_request(job.messages, job.params, str(job.id))
+        return llm.request(job.prompt, job.params, str(job.id))
     except (RequestError, ValueError) as exc:
         job.error = f"line {job.line}: {exc}"
         return None
@@ -124,18 +126,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "page_size": args.page_size}
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
     start = time.perf_counter()
-    runnable: list[tuple[Job, list[int]]] = []
+    runnable: list[tuple[Job, Request]] = []
     for job in jobs:
-        ids = encode(llm, job) if job.error is None else None
-        if ids is not None:
+        request = to_request(llm, job) if job.error is None else None
+        if request is not None:
             try:
-                llm.engine.validate(ids, job.params)
-                runnable.append((job, ids))
+                llm.engine.validate(request.prompt_ids, request.params)
+                runnable.append((job, request))
             except RequestError as exc:
                 job.error = f"line {job.line}: {exc}"
     bar = tqdm(total=len(runnable), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
-    outputs = llm.engine.generate([i for _, i in runnable], [j.params for j, _ in runnable],
-                                  on_finish=lambda _: bar.update(1))
+    outputs = llm.engine.generate([r for _, r in runnable], on_finish=lambda _: bar.update(1))
     bar.close()
     wall = time.perf_counter() - start
     results = {id(job): out for (job, _), out in zip(runnable, outputs, strict=True)}
@@ -147,6 +148,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": sum(o.usage.prompt_tokens for o in outputs),
         "completion_tokens": completion,
         "cached_prompt_tokens": sum(o.usage.cached_tokens for o in outputs),
+        "forged_tokens_downgraded": llm.engine.stats.forged_tokens_downgraded,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(completion / wall, 2) if wall > 0 else 0.0,
         "steps": llm.engine.stats.steps,

@@ -164,6 +164,7 @@ class EngineConfig:
     mesh_data: int = 1
     mesh_model: int = 0  # 0: all remaining devices
     compile_guard: str = "warn"  # off | warn | raise
+    tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True
     compilation_cache_dir: str = ""  # "": $JAXINFER_COMPILATION_CACHE or ~/.cache/jaxinfer/xla; "off"
     seed: int = 0
@@ -179,6 +180,8 @@ class EngineConfig:
             raise ConfigError(f"engine.token_buckets must be strictly increasing, got {self.token_buckets}")
         if self.compile_guard not in ("off", "warn", "raise"):
             raise ConfigError(f"engine.compile_guard must be off, warn or raise, got {self.compile_guard!r}")
+        if self.tokenizer_guard not in ("downgrade", "reject"):
+            raise ConfigError(f"engine.tokenizer_guard must be downgrade or reject, got {self.tokenizer_guard!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"engine.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.attention_backend not in ("auto", "reference"):

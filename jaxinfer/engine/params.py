@@ -72,6 +72,16 @@ class Usage:
 
 
 @dataclass
+class Request:
+    """One generation request as the engine takes it: token ids, not text."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str = ""
+    forged_tokens: int = 0  # control tokens forged in user text and encoded as plain text
+
+
+@dataclass
 class RequestOutput:
     """One finished request. finish_reason: "stop" (EOS, stop token or string) or "length"."""
 
@@ -82,3 +92,5 @@ class RequestOutput:
     finish_reason: str
     usage: Usage
     logprobs: list[float] | None = None
+    request_id: str = ""
+    forged_tokens: int = 0

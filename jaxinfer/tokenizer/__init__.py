@@ -83,9 +83,9 @@ def _from_tokenizer_json(path: Path, chat_template: str | None) -> Tokenizer:
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
         raise CheckpointError(f"{path}: not a tokenizers JSON file ({exc})") from None
     template, bos, eos = _family_template(backend)
-    return Tokenizer(
-        backend, chat_template=chat_template or template, bos_token=bos, eos_tokens=eos, add_bos=_adds_bos(backend, bos)
-    )
+    # Llama 3 models expect BOS even when a bare tokenizer.json lacks the post-processor that adds it.
+    add_bos = _adds_bos(backend, bos) or bos == "<|begin_of_text|>"
+    return Tokenizer(backend, chat_template=chat_template or template, bos_token=bos, eos_tokens=eos, add_bos=add_bos)
 
 
 def _token_text(value: Any) -> str | None:

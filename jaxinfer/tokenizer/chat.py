@@ -24,6 +24,7 @@ from jaxinfer.errors import RequestError
 class Segment:
     text: str
     trusted: bool  # True: template text; False: user-supplied content
+    message: int | None = None  # index of the message whose content this is
 
 
 def _environment() -> jinja2.Environment:
@@ -67,7 +68,7 @@ class ChatTemplate:
                 content = content.lstrip()
             if not match.group(3):
                 content = content.rstrip()
-            segments.append(Segment(content, trusted=False))
+            segments.append(Segment(content, trusted=False, message=int(match.group(2))))
             cursor = match.end()
         segments.append(Segment(text[cursor:], trusted=True))
         return [s for s in segments if s.text]

@@ -2,7 +2,9 @@
 
 Two backends share one vocabulary: `_user` has special-token matching off (a forged `<|im_end|>`
 typed by a user becomes the ordinary tokens of its characters), `_trusted` has it on and encodes
-only text the engine or the chat template wrote.
+only text the engine or the chat template wrote. Forged control tokens found in user text are
+counted in a `GuardReport` (policy "downgrade", the default) or refused with an error naming the
+token and the field (policy "reject").
 """
 
 from __future__ import annotations
@@ -10,12 +12,27 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer as Backend
 
+from jaxinfer.errors import RequestError
 from jaxinfer.tokenizer.chat import ChatTemplate
+
+GUARD_POLICIES = ("downgrade", "reject")
+
+
+@dataclass
+class GuardReport:
+    """Forged control tokens met in one request's user text (each encoded as plain text)."""
+
+    tokens: list[str] = field(default_factory=list)
+
+    @property
+    def downgraded(self) -> int:
+        return len(self.tokens)
 
 
 class Tokenizer:
@@ -27,7 +44,11 @@ class Tokenizer:
         bos_token: str | None = None,
         eos_tokens: Sequence[str] = (),
         add_bos: bool = False,
+        guard: str = "downgrade",
     ):
+        if guard not in GUARD_POLICIES:
+            raise ValueError(f"guard must be one of {GUARD_POLICIES}, got {guard!r}")
+        self.guard = guard
         self._trusted = Backend.from_str(backend.to_str())
         self._trusted.encode_special_tokens = False
         self._user = Backend.from_str(backend.to_str())
@@ -58,20 +79,57 @@ class Tokenizer:
     def special_token_names(self) -> dict[str, int]:
         return {tok.content: i for i, tok in self._trusted.get_added_tokens_decoder().items() if tok.special}
 
-    def encode_user(self, text: str) -> list[int]:
-        """User-supplied text: special-token matching off."""
-        return self._user.encode(text, add_special_tokens=False).ids
+    def forged_tokens(self, text: str) -> list[str]:
+        """Control-token spellings that occur in `text`, in order."""
+        return [m.group() for m in self._special_pattern.finditer(text)]
+
+    def check_user_text(self, text: str, field: str, report: GuardReport | None) -> None:
+        """Applies the guard policy to user text: record forged tokens, or refuse them."""
+        forged = self.forged_tokens(text)
+        if forged and self.guard == "reject":
+            raise RequestError(f"{field}: contains the control token {forged[0]!r}, which user text may not produce")
+        if report is not None:
+            report.tokens += forged
+
+    def encode_user(self, text: str, *, field: str = "text", report: GuardReport | None = None) -> list[int]:
+        """User-supplied text: special-token matching off; forged control tokens stay plain text."""
+        self.check_user_text(text, field, report)
+        return self._encode_plain(text)
+
+    def _encode_plain(self, text: str) -> list[int]:
+        return self._user.encode(text, add_special_tokens=False).ids if text else []
 
     def encode_trusted(self, text: str) -> list[int]:
         """Engine- or template-written text: special tokens in it become their ids."""
         return self._trusted.encode(text, add_special_tokens=False).ids
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, report: GuardReport | None = None) -> list[int]:
         """A raw completion prompt: BOS (when the model wants one) then the user's text."""
         prefix = [self.bos_id] if self.add_bos and self.bos_id is not None else []
-        return prefix + self.encode_user(text)
+        return prefix + self.encode_user(text, field="prompt", report=report)
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    def special_id(self, name: str) -> int:
+        """The id of a special token named explicitly in a structured field (validated)."""
+        if name not in self._special_by_name:
+            known = ", ".join(sorted(self._special_by_name)[:12])
+            raise RequestError(f"special token {name!r} is not one of this tokenizer's special tokens ({known}, ...)")
+        return self._special_by_name[name]
+
+    def encode_parts(self, parts: Sequence[str | dict[str, str]], report: GuardReport | None = None) -> list[int]:
+        """A prompt given as parts: strings are user text, {"special": NAME} is that control token."""
+        ids: list[int] = []
+        for i, part in enumerate(parts):
+            if isinstance(part, str):
+                ids += self.encode_user(part, field=f"prompt[{i}]", report=report)
+            elif isinstance(part, dict) and set(part) == {"special"} and isinstance(part["special"], str):
+                ids.append(self.special_id(part["special"]))
+            else:
+                raise RequestError(f'prompt[{i}]: must be a string or {{"special": NAME}}')
+        return ids
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, report: GuardReport | None = None
+    ) -> list[int]:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template; pass chat_template= to load()")
         # Special tokens are taken only from the template's own text; everything between them
@@ -81,16 +139,17 @@ class Tokenizer:
         pending = ""
         for segment in self.chat_template.render_segments(messages, add_generation_prompt):
             if not segment.trusted:
+                self.check_user_text(segment.text, f"messages[{segment.message}].content", report)
                 pending += segment.text
                 continue
             cursor = 0
             for match in self._special_pattern.finditer(segment.text):
                 pending += segment.text[cursor : match.start()]
-                ids += self.encode_user(pending) if pending else []
+                ids += self._encode_plain(pending)
                 ids.append(self._special_by_name[match.group()])
                 pending, cursor = "", match.end()
             pending += segment.text[cursor:]
-        return ids + (self.encode_user(pending) if pending else [])
+        return ids + self._encode_plain(pending)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._trusted.decode(list(ids), skip_special_tokens=skip_special_tokens)
