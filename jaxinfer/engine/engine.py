@@ -25,6 +25,7 @@ from jaxinfer.engine.step import HostBatch, ModelRunner
 from jaxinfer.errors import RequestError
 from jaxinfer.kv import PagePool
 from jaxinfer.tokenizer import Tokenizer
+from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 audit = logging.getLogger("jaxinfer.audit")
@@ -42,7 +43,7 @@ class Sequence:
     pages: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the cache
     finish_reason: str | None = None
-    checked_chars: int = 0  # decoded output length already searched for stop strings
+    detokenizer: IncrementalDetokenizer | None = None  # streams the output text (for stop strings)
     stop_at: int | None = None  # where a stop string starts in the decoded output
     arrival: int = 0  # admission order, for preempting the newest
 
@@ -149,7 +150,9 @@ class Engine:
     def _new_sequence(self, index: int, request: Request) -> Sequence:
         params = request.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        return Sequence(index=index, request=request, prompt_ids=list(request.prompt_ids), params=params, seed=seed)
+        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.stop else None
+        return Sequence(index=index, request=request, prompt_ids=list(request.prompt_ids), params=params, seed=seed,
+                        detokenizer=detokenizer)
 
     def _pages_for(self, seq: Sequence, upto: int) -> bool:
         """Makes sure `seq` owns pages for positions < upto; False if the pool cannot."""
@@ -240,24 +243,23 @@ class Engine:
         p = seq.params
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
+        delta = seq.detokenizer.push(token) if seq.detokenizer else ""
         generated = len(seq.output_ids)
         if generated >= p.min_tokens:
             if (token in self.tokenizer.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
                 seq.finish_reason = "stop"
                 return
-            if p.stop and self._hit_stop_string(seq):
+            if delta and self._hit_stop_string(seq, len(delta)):
                 seq.finish_reason = "stop"
                 return
         if generated >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids)
+    def _hit_stop_string(self, seq: Sequence, new_chars: int) -> bool:
+        """Searches only the text the newest characters could have completed a stop string in."""
+        text = seq.detokenizer.text
         longest = max(len(s) for s in seq.params.stop)
-        # Only text the newest token could have completed needs searching; the margin covers a
-        # multi-byte character that decoded as U+FFFD until this token completed it.
-        window_start = max(0, seq.checked_chars - longest - 4)
-        seq.checked_chars = len(text)
+        window_start = max(0, len(text) - new_chars - longest + 1)
         hits = [i for s in seq.params.stop if (i := text.find(s, window_start)) >= 0]
         if hits:
             seq.stop_at = min(hits)
