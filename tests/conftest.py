@@ -7,6 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# CI must not flake: property tests draw the same examples on every run (a developer can still
+# explore with --hypothesis-seed=N or HYPOTHESIS_PROFILE=explore).
+settings.register_profile("ci", derandomize=True, deadline=None)
+settings.register_profile("explore", deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 REPO = Path(__file__).resolve().parents[1]
 XLA_CACHE = REPO / ".cache" / "xla-tests"

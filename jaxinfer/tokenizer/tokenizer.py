@@ -20,6 +20,7 @@ from tokenizers import Tokenizer as Backend
 
 from jaxinfer.errors import RequestError
 from jaxinfer.tokenizer.chat import ChatTemplate
+from jaxinfer.tokenizer.segmented import SegmentedEncoder
 
 GUARD_POLICIES = ("downgrade", "reject")
 
@@ -53,6 +54,8 @@ class Tokenizer:
         self._trusted.encode_special_tokens = False
         self._user = Backend.from_str(backend.to_str())
         self._user.encode_special_tokens = True
+        # Long user texts are cut where the pre-tokenizer cannot merge and encoded in parallel.
+        self._user_segmented = SegmentedEncoder(self._user, segment_chars=4096)
         self.bos_token, self.eos_tokens, self.add_bos = bos_token, tuple(eos_tokens), add_bos
         self.bos_id = self.token_id(bos_token) if bos_token else None
         self.eos_ids = frozenset(i for i in (self.token_id(t) for t in self.eos_tokens) if i is not None)
@@ -97,7 +100,7 @@ class Tokenizer:
         return self._encode_plain(text)
 
     def _encode_plain(self, text: str) -> list[int]:
-        return self._user.encode(text, add_special_tokens=False).ids if text else []
+        return self._user_segmented.encode(text) if text else []
 
     def encode_trusted(self, text: str) -> list[int]:
         """Engine- or template-written text: special tokens in it become their ids."""
