@@ -99,8 +99,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
-        """Outputs in the order of `prompts` (a string, a token-id list, or a list of either)."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        """Outputs in the order of `prompts`: a list of prompts, or one prompt (a string, token ids, or
+        parts such as ["Hi", {"special": "<|im_end|>"}]). A list of strings is several prompts."""
+        single = isinstance(prompts, list) and any(isinstance(p, int | dict) for p in prompts)
+        if isinstance(prompts, str) or single:
             prompts = [prompts]
         per_request = self._per_request(params, len(prompts))
         requests = [self.request(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))]

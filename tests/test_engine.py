@@ -171,3 +171,20 @@ def test_invalid_requests_name_the_field(smollm2_llm, prompt, params, field):
 def test_sampling_params_validation(kwargs, field):
     with pytest.raises(RequestError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_min_tokens_holds_back_eos_and_stop_ids(smollm2_llm):
+    prompt = "The capital of France is"
+    first = smollm2_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    held = smollm2_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3,
+                                                         stop_token_ids=[first]))[0]
+    assert first not in held.token_ids[:3] and len(held.token_ids) >= 3
+    stopped = smollm2_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, stop_token_ids=[first]))[0]
+    assert stopped.token_ids == [first] and stopped.finish_reason == "stop"
+
+
+def test_huge_top_k_is_clamped_to_the_vocabulary(smollm2_llm):
+    params = SamplingParams(max_tokens=3, temperature=1.0, top_k=2**31 - 1, seed=4)
+    assert len(smollm2_llm.generate(["Hi"], params)[0].token_ids) == 3
+    with pytest.raises(RequestError, match="top_k"):
+        SamplingParams(top_k=2**31)

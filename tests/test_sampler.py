@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.engine.sampler import SamplingInputs, sample
+from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 
 
-def draw(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, logits=LOGITS, seed=0) -> np.ndarray:
+def draw(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, logits=LOGITS, seed=0, banned=()) -> np.ndarray:
     """n samples of one row, each with its own step (as successive tokens of one request would)."""
     params = SamplingInputs(
         temperature=jnp.full(n, temperature, jnp.float32),
@@ -22,6 +22,7 @@ def draw(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, logits=LOGIT
         min_p=jnp.full(n, min_p, jnp.float32),
         seed=jnp.full(n, seed, jnp.uint32),
         step=jnp.arange(n, dtype=jnp.int32),
+        banned=jnp.tile(jnp.asarray(list(banned) + [-1] * (MAX_BANNED - len(banned)), jnp.int32), (n, 1)),
     )
     tokens, _ = jax.jit(sample)(jnp.tile(jnp.asarray(logits), (n, 1)), params)
     return np.asarray(tokens)
@@ -40,13 +41,16 @@ def test_temperature_sharpens_and_flattens():
     assert cold[0] > 0.7 and hot[0] < 0.3
 
 
-@pytest.mark.parametrize(("kwargs", "support"), [
-    ({"top_k": 2}, {0, 1}),
-    ({"top_p": 0.6}, {0, 1}),  # 0.4 < 0.6, then 0.4 + 0.25 reaches it
-    ({"top_p": 0.3}, {0}),
-    ({"min_p": 0.3}, {0, 1, 2}),  # p >= 0.3 * 0.4
-    ({"top_k": 4, "top_p": 0.9, "min_p": 0.2}, {0, 1, 2, 3}),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "support"),
+    [
+        ({"top_k": 2}, {0, 1}),
+        ({"top_p": 0.6}, {0, 1}),  # 0.4 < 0.6, then 0.4 + 0.25 reaches it
+        ({"top_p": 0.3}, {0}),
+        ({"min_p": 0.3}, {0, 1, 2}),  # p >= 0.3 * 0.4
+        ({"top_k": 4, "top_p": 0.9, "min_p": 0.2}, {0, 1, 2, 3}),
+    ],
+)
 def test_filters_restrict_the_support(kwargs, support):
     tokens = set(draw(3000, **kwargs).tolist())
     assert tokens == support
@@ -68,8 +72,25 @@ def test_same_seed_same_tokens_other_seed_other_tokens():
 def test_greedy_rows_next_to_sampled_rows_and_logprobs():
     logits = jnp.asarray(np.stack([LOGITS, LOGITS[::-1]]))
     params = SamplingInputs(
-        temperature=jnp.array([0.0, 1.0]), top_k=jnp.array([0, 1]), top_p=jnp.ones(2), min_p=jnp.zeros(2),
-        seed=jnp.array([1, 2], jnp.uint32), step=jnp.zeros(2, jnp.int32))
+        temperature=jnp.array([0.0, 1.0]),
+        top_k=jnp.array([0, 1]),
+        top_p=jnp.ones(2),
+        min_p=jnp.zeros(2),
+        seed=jnp.array([1, 2], jnp.uint32),
+        step=jnp.zeros(2, jnp.int32),
+        banned=jnp.full((2, MAX_BANNED), -1, jnp.int32),
+    )
     tokens, logprobs = sample(logits, params)
     assert tokens.tolist() == [0, 5]
     np.testing.assert_allclose(np.asarray(logprobs), [np.log(0.4), np.log(0.4)], rtol=1e-5)
+
+
+def test_top_p_applies_to_what_top_k_kept_renormalized():
+    logits = np.log(np.array([0.4, 0.3, 0.2, 0.05, 0.05], np.float32))
+    # After top-k=2 the kept mass is 0.4/0.7 = 0.57 for token 0, which already reaches top_p=0.5.
+    assert set(draw(2000, top_k=2, top_p=0.5, logits=logits).tolist()) == {0}
+
+
+def test_banned_ids_are_never_drawn_greedy_or_sampled():
+    assert set(draw(2000, banned=(0, 2)).tolist()) <= {1, 3, 4, 5}
+    assert set(draw(50, temperature=0.0, banned=(0,)).tolist()) == {1}

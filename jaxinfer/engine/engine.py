@@ -3,8 +3,10 @@
 Each step takes one decode token from every running sequence, then fills the rest of the token
 budget with prompt chunks, oldest request first. A sequence that needs a page when none is free
 preempts the newest running sequence, which gives its pages back and later recomputes its
-prompt and output so far (the output does not change: sampling keys depend only on seed and
-position). The full scheduler (prefix cache, overlap) builds on this.
+prompt and output so far. Sampling keys depend only on the seed and the number of tokens generated,
+so in float32 the output does not change; in bfloat16 a recomputed (differently batched) prefix can
+differ by rounding, as in any engine that recomputes. The full scheduler (prefix cache, overlap)
+builds on this.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
+from jaxinfer.engine.sampler import MAX_BANNED
 from jaxinfer.engine.step import HostBatch, ModelRunner
 from jaxinfer.errors import RequestError
 from jaxinfer.kv import PagePool
@@ -31,7 +34,7 @@ log = logging.getLogger(__name__)
 audit = logging.getLogger("jaxinfer.audit")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in running` and `remove` must not compare whole token lists
 class Sequence:
     index: int
     request: Request
@@ -47,9 +50,12 @@ class Sequence:
     stop_at: int | None = None  # where a stop string starts in the decoded output
     arrival: int = 0  # admission order, for preempting the newest
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Tokens at positions [start, start + count) of prompt + output, without copying the rest."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split : start - split + count]
+        return (self.prompt_ids[start : start + count] + self.output_ids)[:count]
 
     @property
     def num_tokens(self) -> int:
@@ -95,6 +101,8 @@ class Engine:
                 f"prompt: {len(prompt_ids)} tokens, the limit is {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len} leaves room for one generated token)"
             )
+        if len(self._stop_ids(params)) > MAX_BANNED:
+            raise RequestError(f"stop_token_ids: with the model's EOS ids at most {MAX_BANNED} ids can be held back")
         vocab = self.runner.model_cfg.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -211,20 +219,28 @@ class Engine:
             seq, end = chunk.seq, cursor + chunk.count
             positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
             pages = np.asarray(seq.pages, np.int32)
-            batch.tokens[cursor:end] = seq.all_ids[chunk.start : chunk.start + chunk.count]
+            batch.tokens[cursor:end] = seq.tokens(chunk.start, chunk.count)
             batch.positions[cursor:end] = positions
             batch.seq_rows[cursor:end] = row
             batch.write_slots[cursor:end] = pages[positions // page_size] * page_size + positions % page_size
             batch.page_table[row, : len(pages)] = pages
             batch.logits_rows[row] = end - 1
             p = seq.params
-            batch.temperature[row], batch.top_k[row], batch.top_p[row] = p.temperature, p.top_k, p.top_p
-            batch.min_p[row], batch.seed[row], batch.step[row] = p.min_p, seq.seed, len(seq.output_ids)
+            batch.temperature[row], batch.top_p[row], batch.min_p[row] = p.temperature, p.top_p, p.min_p
+            batch.top_k[row] = min(p.top_k, self.runner.model_cfg.vocab_size)
+            batch.seed[row], batch.step[row] = seq.seed, len(seq.output_ids)
+            if len(seq.output_ids) < p.min_tokens:  # EOS and stop ids may not be sampled yet
+                banned = self._stop_ids(p)
+                batch.banned[row, : len(banned)] = banned
             cursor = end
         # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
         batch.seq_rows[cursor:] = len(chunks) - 1
         batch.positions[cursor:] = 0
         return batch
+
+    def _stop_ids(self, params: SamplingParams) -> list[int]:
+        eos = [] if params.ignore_eos else sorted(self.tokenizer.eos_ids)
+        return list(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     def _execute(self, chunks: list[ScheduledChunk]) -> None:
         start = time.perf_counter()
@@ -258,9 +274,9 @@ class Engine:
     def _hit_stop_string(self, seq: Sequence, new_chars: int) -> bool:
         """Searches only the text the newest characters could have completed a stop string in."""
         text = seq.detokenizer.text
-        longest = max(len(s) for s in seq.params.stop)
-        window_start = max(0, len(text) - new_chars - longest + 1)
-        hits = [i for s in seq.params.stop if (i := text.find(s, window_start)) >= 0]
+        # Each string only where the new characters could complete it (text before min_tokens was
+        # allowed to contain stop strings and must not stop generation later).
+        hits = [i for s in seq.params.stop if (i := text.find(s, max(0, len(text) - new_chars - len(s) + 1))) >= 0]
         if hits:
             seq.stop_at = min(hits)
             return True

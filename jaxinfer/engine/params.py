@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 from jaxinfer.errors import RequestError
 
 MAX_SEED = 2**32 - 1
+MAX_INT32 = 2**31 - 1
+MAX_STOP_TOKEN_IDS = 8  # with the model's EOS ids, they must fit the sampler's banned-id slots
 
 
 @dataclass(frozen=True)
@@ -33,8 +36,8 @@ class SamplingParams:
         self._check()
 
     def _check(self) -> None:
-        _int_field("max_tokens", self.max_tokens, low=1)
-        _int_field("top_k", self.top_k, low=0)
+        _int_field("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
+        _int_field("top_k", self.top_k, low=0, high=MAX_INT32)
         _int_field("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _float_field("temperature", self.temperature, low=0.0, high=100.0)
         _float_field("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -44,12 +47,14 @@ class SamplingParams:
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop[{i}]: must be a non-empty string")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for i, t in enumerate(self.stop_token_ids):
-            _int_field(f"stop_token_ids[{i}]", t, low=0)
+            _int_field(f"stop_token_ids[{i}]", t, low=0, high=MAX_INT32)
 
 
 def _int_field(name: str, value: object, *, low: int, high: int | None = None) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not isinstance(value, Integral) or isinstance(value, bool):
         raise RequestError(f"{name}: must be an integer, got {value!r}")
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
@@ -57,7 +62,7 @@ def _int_field(name: str, value: object, *, low: int, high: int | None = None) -
 
 
 def _float_field(name: str, value: object, *, low: float, high: float, low_open: bool = False) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool):
+    if not isinstance(value, Real) or isinstance(value, bool):
         raise RequestError(f"{name}: must be a number, got {value!r}")
     if value != value or value > high or value < low or (low_open and value == low):
         interval = f"{'(' if low_open else '['}{low}, {high}]"

@@ -1,4 +1,4 @@
-"""On-device sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""On-device sampling: greedy, temperature, top-k, top-p, min-p, banned ids, per-request seeds, logprobs.
 
 Each row draws with the key `fold_in(key(seed), n)` where n is how many tokens the request has
 generated so far, so a request's samples depend only on its seed and its own history, never on
@@ -25,15 +25,26 @@ class SamplingInputs:
     min_p: jax.Array  # float32, 0 = off
     seed: jax.Array  # uint32
     step: jax.Array  # int32, tokens generated so far by this request
+    banned: jax.Array  # [S, MAX_BANNED] int32 ids that may not be sampled (-1 = none): EOS before min_tokens
+
+
+MAX_BANNED = 16
 
 
 def sample(logits: jax.Array, params: SamplingInputs) -> tuple[jax.Array, jax.Array]:
     """logits [S, V] float32 -> (token ids [S] int32, logprob of each under the raw model [S])."""
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logits = _ban(logits, params.banned)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     all_greedy = jnp.all(params.temperature <= 0.0)
     tokens = lax.cond(all_greedy, lambda: greedy, lambda: _sample_rows(logits, params, greedy))
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+
+
+def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    rows, vocab = logits.shape
+    columns = jnp.where(banned >= 0, banned, vocab)  # out of range: dropped
+    return logits.at[jnp.arange(rows)[:, None], columns].set(-jnp.inf, mode="drop")
 
 
 def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -> jax.Array:
@@ -51,10 +62,12 @@ def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Arr
     probs = jax.nn.softmax(sorted_logits)
     rank = jnp.arange(vocab)
     keep = rank < jnp.where(top_k > 0, top_k, vocab)
-    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    mass_before = jnp.cumsum(probs) - probs
-    keep &= mass_before < top_p
     keep &= probs >= min_p * probs[0]
+    # top-p over what top-k and min-p kept, renormalized (as vLLM does): the smallest prefix whose
+    # mass reaches top_p; the most likely token always stays.
+    kept = jnp.where(keep, probs, 0.0)
+    kept = kept / jnp.sum(kept)
+    keep &= jnp.cumsum(kept) - kept < top_p
     keep = keep.at[0].set(True)
     key = jax.random.fold_in(jax.random.key(seed), step)
     gumbel = jax.random.gumbel(key, (vocab,), jnp.float32)

@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.sampler import SamplingInputs, sample
+from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 from jaxinfer.errors import CompileAfterWarmupError
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
@@ -56,6 +56,7 @@ class HostBatch:
     min_p: np.ndarray
     seed: np.ndarray
     step: np.ndarray
+    banned: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -63,7 +64,9 @@ class HostBatch:
 
     def to_inputs(self) -> StepInputs:
         meta = AttentionMetadata(self.positions, self.seq_rows, self.page_table, self.write_slots)
-        sampling = SamplingInputs(self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step)
+        sampling = SamplingInputs(
+            self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step, self.banned
+        )
         return StepInputs(self.tokens, meta, self.logits_rows, sampling)
 
 
@@ -127,6 +130,7 @@ class ModelRunner:
             min_p=np.zeros(rows, np.float32),
             seed=np.zeros(rows, np.uint32),
             step=np.zeros(rows, np.int32),
+            banned=np.full((rows, MAX_BANNED), -1, np.int32),
         )
 
     # -- compile ---------------------------------------------------------------------------

@@ -150,7 +150,8 @@ class GGUFCheckpoint:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
             except (ValueError, NotImplementedError) as exc:
                 raise CheckpointError(f"{self.path}: cannot dequantize tensor {tensor.name} ({exc})") from None
-            if cfg.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+            permuted = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
+            if cfg.architecture == "llama" and tensor.name.endswith(permuted):
                 heads = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
                 if array.shape[0] % (2 * heads) == 0:
                     array = unpermute_rows(array, heads)
