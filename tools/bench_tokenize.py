@@ -1,6 +1,6 @@
 """Benchmark (not a test): segmented parallel encoding against one `encode` call on a long text.
 
-    python tools/bench_tokenize.py                          # 1 MB, both tokenizers, segments of 16384
+    python tools/bench_tokenize.py                          # 1 MB, both tokenizers, segments of 4096 and 16384
     python tools/bench_tokenize.py --mb 4 --segment-chars 4096 16384 65536 --repeats 5
 
 The text is generated deterministically: prose, code, CJK and emoji paragraphs. Each measurement is
@@ -116,7 +116,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=float, default=1.0)
-    parser.add_argument("--segment-chars", type=int, nargs="+", default=[16384])
+    parser.add_argument("--segment-chars", type=int, nargs="+", default=[4096, 16384])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokenizers", nargs="+", default=["smollm2", "llama3"], choices=["smollm2", "llama3"])
     args = parser.parse_args()
