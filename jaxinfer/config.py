@@ -163,6 +163,7 @@ class EngineConfig:
     attention_query_tile: int = 16  # queries that share one gather when they belong to one sequence
     mesh_data: int = 1
     mesh_model: int = 0  # 0: all remaining devices
+    prefix_caching: bool = True
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True

@@ -5,8 +5,13 @@ budget with prompt chunks, oldest request first. A sequence that needs a page wh
 preempts the newest running sequence, which gives its pages back and later recomputes its
 prompt and output so far. Sampling keys depend only on the seed and the number of tokens generated,
 so in float32 the output does not change; in bfloat16 a recomputed (differently batched) prefix can
-differ by rounding, as in any engine that recomputes. The full scheduler (prefix cache, overlap)
-builds on this.
+differ by rounding, as in any engine that recomputes.
+
+Prefix cache: on admission a sequence takes the longest chain of cached full pages (keys from
+`kv/prefix_cache.py`) and computes only the rest; every page a step fills is published. When the
+first missing page is being computed by a running sequence (one long system prompt shared by a
+batch), the newcomer waits for it instead of computing it again. Overlapped scheduling and
+cancellation come with the full scheduler.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
 from jaxinfer.engine.step import HostBatch, ModelRunner
 from jaxinfer.errors import RequestError
-from jaxinfer.kv import PagePool
+from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -44,7 +49,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full pages computed
+    pending_keys: list[bytes] = field(default_factory=list)  # keys this sequence will publish
     num_computed: int = 0  # tokens whose K/V are in the cache
+    cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet)
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None  # streams the output text (for stop strings)
     stop_at: int | None = None  # where a stop string starts in the decoded output
@@ -80,6 +88,8 @@ class EngineStats:
     preemptions: int = 0
     step_seconds: float = 0.0
     forged_tokens_downgraded: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
 
 
 class Engine:
@@ -87,7 +97,8 @@ class Engine:
         """`num_pages` below the device pool's size limits what this engine may use (tests of preemption)."""
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
         self.cfg = runner.cfg
-        self.pool = PagePool(min(num_pages or self.cfg.num_pages, self.cfg.num_pages))
+        self.pool = PrefixCachingPool(min(num_pages or self.cfg.num_pages, self.cfg.num_pages), self.cfg.prefix_caching)
+        self._pending: dict[bytes, Sequence] = {}  # page key -> the running sequence that will compute it
         self.stats = EngineStats()
         self._rng = random.Random(self.cfg.seed)
         self._arrivals = 0
@@ -146,7 +157,11 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)
-        seq.pages = []
+        seq.pages, seq.page_keys, seq.num_computed = [], [], 0
+        for key in seq.pending_keys:
+            if self._pending.get(key) is seq:
+                del self._pending[key]
+        seq.pending_keys = []
 
     # -- scheduling --------------------------------------------------------------------------
     def _record_guard(self, request: Request) -> None:
@@ -173,10 +188,46 @@ class Engine:
         seq.pages += pages
         return True
 
+    def _attach_prefix(self, seq: Sequence) -> bool:
+        """Takes the longest cached prefix; False (nothing taken) when the next page is in flight.
+
+        At least one token is always left to compute, so the step has a row to sample from. If the
+        first page still missing is being computed by a running sequence (a shared system prompt
+        in one batch), waiting for it is cheaper than computing it twice.
+        """
+        page_size = self.cfg.page_size
+        keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.request.cache_salt)
+        usable = (seq.num_tokens - 1) // page_size
+        pages = self.pool.lookup(keys[:usable])
+        owner = self._pending.get(keys[len(pages)]) if len(pages) < usable else None
+        if owner is not None and owner is not seq:
+            self.pool.free(pages)
+            return False
+        seq.pages, seq.page_keys, seq.num_computed = pages, keys[: len(pages)], len(pages) * page_size
+        seq.pending_keys = [k for k in keys[len(pages) :] if self._pending.setdefault(k, seq) is seq]
+        if seq.cached_tokens < 0:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+            self.stats.prefix_queried_tokens += len(seq.prompt_ids)
+            self.stats.prefix_hit_tokens += seq.cached_tokens
+        return True
+
+    def _publish_pages(self, seq: Sequence) -> None:
+        """Registers the pages this step filled, so later requests can reuse them."""
+        page_size, done = self.cfg.page_size, len(seq.page_keys)
+        full = seq.num_computed // page_size
+        if full <= done:
+            return
+        tokens = seq.tokens(done * page_size, (full - done) * page_size)
+        start = seq.page_keys[-1] if seq.page_keys else b""
+        for i, key in enumerate(chain_keys(tokens, page_size, seq.request.cache_salt, start), start=done):
+            self.pool.register(seq.pages[i], key)
+            if self._pending.get(key) is seq:
+                del self._pending[key]
+            seq.page_keys.append(key)
+
     def _preempt(self, victim: Sequence, running: list[Sequence], waiting: deque[Sequence]) -> None:
         running.remove(victim)
-        self.pool.free(victim.pages)
-        victim.pages, victim.num_computed = [], 0
+        self._release(victim)
         waiting.appendleft(victim)
         self.stats.preemptions += 1
         log.info("preempted request %d (%d tokens to recompute)", victim.index, victim.num_tokens)
@@ -197,17 +248,23 @@ class Engine:
             if seq in running:
                 chunks.append(ScheduledChunk(seq, seq.num_computed, count))
                 budget -= count
+        deferred: list[Sequence] = []  # their next prefix page is being computed by a running sequence
         while waiting and budget > 0 and len(running) < self.cfg.max_seqs:
-            seq = waiting[0]
+            seq = waiting.popleft()
+            if not self._attach_prefix(seq):
+                deferred.append(seq)
+                continue
             count = min(seq.num_tokens - seq.num_computed, budget)
             if not self._pages_for(seq, seq.num_computed + count):
+                self._release(seq)
+                waiting.appendleft(seq)
                 break
-            waiting.popleft()
             self._arrivals += 1
             seq.arrival = self._arrivals
             running.append(seq)
             chunks.append(ScheduledChunk(seq, seq.num_computed, count))
             budget -= count
+        waiting.extendleft(reversed(deferred))
         return chunks
 
     # -- execution ---------------------------------------------------------------------------
@@ -252,6 +309,7 @@ class Engine:
             if chunk.start < len(seq.prompt_ids):
                 self.stats.prompt_tokens_computed += min(chunk.count, len(seq.prompt_ids) - chunk.start)
             seq.num_computed = chunk.start + chunk.count
+            self._publish_pages(seq)
             if chunk.samples:
                 self._append(seq, int(tokens[row]), float(logprobs[row]))
 
@@ -292,7 +350,7 @@ class Engine:
             text=text,
             token_ids=list(seq.output_ids),
             finish_reason=seq.finish_reason or "length",
-            usage=Usage(len(seq.prompt_ids), len(seq.output_ids), 0),
+            usage=Usage(len(seq.prompt_ids), len(seq.output_ids), max(seq.cached_tokens, 0)),
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             request_id=seq.request.request_id,
             forged_tokens=seq.request.forged_tokens,

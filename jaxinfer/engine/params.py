@@ -84,6 +84,7 @@ class Request:
     params: SamplingParams
     request_id: str = ""
     forged_tokens: int = 0  # control tokens forged in user text and encoded as plain text
+    cache_salt: str = ""  # prefix-cache namespace (the tenant): pages are shared only within one salt
 
 
 @dataclass

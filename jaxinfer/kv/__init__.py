@@ -1,5 +1,5 @@
-"""KV page bookkeeping on the host: the pool of free pages (page 0 is the null page)."""
+"""KV page bookkeeping on the host: reference-counted pages and the prefix cache (page 0 is null)."""
 
-from jaxinfer.kv.pages import PagePool
+from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
 
-__all__ = ["PagePool"]
+__all__ = ["PrefixCachingPool", "chain_keys"]

@@ -1,0 +1,100 @@
+"""Reference-counted KV pages with a prefix cache: full pages are content-addressed by a hash chain.
+
+A page's key is blake2b(parent key, its token ids, salt): the salt carries the tenant (and later the
+adapter), so requests of different tenants never share pages unless they are given the same salt.
+Pages whose last user finished stay cached (LRU) until the pool needs them; a new request takes the
+longest chain of cached pages and computes only the rest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def chain_keys(tokens: Sequence[int], page_size: int, salt: str = "", start: bytes = b"") -> list[bytes]:
+    """Keys of every full page of `tokens`; `start` continues a chain whose earlier keys are known."""
+    keys: list[bytes] = []
+    parent = start or hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    for first in range(0, len(tokens) - page_size + 1, page_size):
+        page = np.asarray(tokens[first : first + page_size], np.int32).tobytes()
+        parent = hashlib.blake2b(parent + page, digest_size=16).digest()
+        keys.append(parent)
+    return keys
+
+
+class PrefixCachingPool:
+    """The device page pool's host bookkeeping; page 0 (the null page) is never handed out."""
+
+    def __init__(self, num_pages: int, enabled: bool = True):
+        self.num_pages, self.enabled = num_pages, enabled
+        self._free: deque[int] = deque(range(1, num_pages))
+        self._cached_free: OrderedDict[int, bytes] = OrderedDict()  # refcount 0, content kept, LRU first
+        self._refs = [0] * num_pages
+        self._page_of: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        """Pages that can be handed out now (never used, or cached with no user)."""
+        return len(self._free) + len(self._cached_free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._page_of)
+
+    def allocate(self, count: int) -> list[int] | None:
+        """`count` pages, evicting least recently used cached pages if needed; None if too few."""
+        if count > self.num_free:
+            return None
+        pages = []
+        for _ in range(count):
+            if self._free:
+                page = self._free.popleft()
+            else:
+                page, key = self._cached_free.popitem(last=False)
+                del self._page_of[key], self._key_of[page]
+            self._refs[page] = 1
+            pages.append(page)
+        return pages
+
+    def free(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            self._refs[page] -= 1
+            assert self._refs[page] >= 0, f"page {page} freed twice"
+            if self._refs[page] == 0:
+                key = self._key_of.get(page)
+                if key is None:
+                    self._free.append(page)
+                else:
+                    self._cached_free[page] = key
+
+    def lookup(self, keys: Sequence[bytes]) -> list[int]:
+        """Pages of the longest cached prefix of `keys`, each now referenced once more."""
+        if not self.enabled:
+            return []
+        pages = []
+        for key in keys:
+            page = self._page_of.get(key)
+            if page is None:
+                break
+            self._cached_free.pop(page, None)
+            self._refs[page] += 1
+            pages.append(page)
+        return pages
+
+    def contains(self, key: bytes) -> bool:
+        return self.enabled and key in self._page_of
+
+    def register(self, page: int, key: bytes) -> None:
+        """Publishes a full page under its key (a page already published under the key wins)."""
+        if self.enabled and key not in self._page_of and page not in self._key_of:
+            self._page_of[key] = page
+            self._key_of[page] = key
