@@ -40,8 +40,9 @@ def test_batched_prompts_of_different_lengths_match_each_alone(smollm2_llm, alon
 def test_preemption_keeps_outputs_and_frees_every_page(smollm2_llm, alone):
     texts = list(alone)
     # A pool that holds about two sequences at once forces preemption and recomputation.
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, num_pages=22)
-    outputs = engine.generate([smollm2_llm.request(t, GREEDY) for t in texts])
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, prefix_caching=False)
+    with engine.pool.hold(keep_free=21):
+        outputs = engine.generate([smollm2_llm.request(t, GREEDY) for t in texts])
     assert engine.stats.preemptions > 0
     assert [o.token_ids for o in outputs] == [alone[t] for t in texts]
     assert engine.pool.num_free == engine.pool.capacity

@@ -40,10 +40,11 @@ def test_pool_reference_counts_and_lru_eviction():
         pool.free([first[1]])  # refcount already 0
 
 
-def requests(llm, texts, salt=""):
+def requests(llm, texts, salt="", system=SYSTEM):
+    """Chat requests sharing a system prompt (each test uses its own: the pool is shared by the session)."""
     return [
         Request(
-            llm.tokenizer.encode_chat([{"role": "system", "content": SYSTEM}, {"role": "user", "content": t}]),
+            llm.tokenizer.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": t}]),
             GREEDY,
             str(i),
             cache_salt=salt,
@@ -57,14 +58,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def fresh_engine(llm, caching=True) -> Engine:
-    engine = Engine(llm.runner, llm.tokenizer, llm.max_model_len)
-    engine.pool.enabled = caching
-    return engine
+    return Engine(llm.runner, llm.tokenizer, llm.max_model_len, prefix_caching=caching)
 
 
 def test_second_request_prefills_only_the_remainder(smollm2_llm):
     page = smollm2_llm.config.page_size
-    first, second = requests(smollm2_llm, ["What is the boiling point of water?", "Name a prime number."])
+    system = "Remainder test. " + SYSTEM
+    first, second = requests(
+        smollm2_llm, ["What is the boiling point of water?", "Name a prime number."], system=system
+    )
     shared = common_prefix(first.prompt_ids, second.prompt_ids)
     assert shared >= 3 * page  # the two prompts share at least three full pages
     cached_engine, plain_engine = fresh_engine(smollm2_llm), fresh_engine(smollm2_llm, caching=False)
@@ -74,7 +76,7 @@ def test_second_request_prefills_only_the_remainder(smollm2_llm):
     computed = cached_engine.stats.prompt_tokens_computed - before
     assert out.usage.cached_tokens == (shared // page) * page
     assert computed == len(second.prompt_ids) - out.usage.cached_tokens
-    (reference,) = plain_engine.generate([second])
+    (reference,) = plain_engine.generate(requests(smollm2_llm, ["Name a prime number."], system=system))
     assert out.token_ids == reference.token_ids and reference.usage.cached_tokens == 0
 
 
@@ -82,7 +84,7 @@ def test_in_batch_sharing_computes_a_common_prefix_once(smollm2_llm):
     page = smollm2_llm.config.page_size
     engine = fresh_engine(smollm2_llm)
     texts = [f"Question {i}: what is {i} plus {i}?" for i in range(8)]
-    batch = requests(smollm2_llm, texts)
+    batch = requests(smollm2_llm, texts, system="In-batch sharing test. " + SYSTEM)
     common = min(common_prefix(batch[0].prompt_ids, r.prompt_ids) for r in batch[1:])
     prefix = (common // page) * page
     assert prefix >= 20 * page // 2  # a long shared system prompt (at least 10 pages at page size 8)
@@ -105,9 +107,20 @@ def test_tenants_share_pages_only_with_the_same_salt(smollm2_llm):
 
 
 def test_small_pool_evicts_cached_pages_and_stays_correct(smollm2_llm):
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, num_pages=40)
+    engine = fresh_engine(smollm2_llm)
     texts = [f"Tell me one fact about the number {i}." for i in range(6)]
-    outputs = [engine.generate([r])[0] for r in requests(smollm2_llm, texts)]
+    with engine.pool.hold(keep_free=40):  # a few requests' pages: later ones evict cached pages
+        outputs = [engine.generate([r])[0] for r in requests(smollm2_llm, texts)]
     alone = fresh_engine(smollm2_llm, caching=False)
     assert [o.token_ids for o in outputs] == [alone.generate([r])[0].token_ids for r in requests(smollm2_llm, texts)]
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_engines_on_one_runner_share_the_page_record(smollm2_llm):
+    """A second engine on the same device pages must never overwrite pages the first one has cached."""
+    (probe,) = requests(smollm2_llm, ["Which ocean is the largest?"], system="Sharing test. " + SYSTEM)
+    first = smollm2_llm.engine.generate([probe])[0]
+    other = fresh_engine(smollm2_llm, caching=False)
+    other.generate(requests(smollm2_llm, [f"Count to {i}." for i in range(8)], system="Other engine. " + SYSTEM))
+    again = smollm2_llm.engine.generate([probe])[0]
+    assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids

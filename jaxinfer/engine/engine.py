@@ -31,7 +31,7 @@ from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
 from jaxinfer.engine.step import HostBatch, ModelRunner
 from jaxinfer.errors import RequestError
-from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
+from jaxinfer.kv.prefix_cache import chain_keys
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -93,11 +93,14 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int, num_pages: int | None = None):
-        """`num_pages` below the device pool's size limits what this engine may use (tests of preemption)."""
+    def __init__(
+        self, runner: ModelRunner, tokenizer: Tokenizer, max_model_len: int, prefix_caching: bool | None = None
+    ):
+        """Engines on one runner share its page pool (the device pages); `prefix_caching` overrides the config."""
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
         self.cfg = runner.cfg
-        self.pool = PrefixCachingPool(min(num_pages or self.cfg.num_pages, self.cfg.num_pages), self.cfg.prefix_caching)
+        self.pool = runner.pool
+        self.prefix_caching = self.cfg.prefix_caching if prefix_caching is None else prefix_caching
         self._pending: dict[bytes, Sequence] = {}  # page key -> the running sequence that will compute it
         self.stats = EngineStats()
         self._rng = random.Random(self.cfg.seed)
@@ -197,7 +200,7 @@ class Engine:
         """
         page_size = self.cfg.page_size
         keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.request.cache_salt)
-        usable = (seq.num_tokens - 1) // page_size
+        usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
         pages = self.pool.lookup(keys[:usable])
         owner = self._pending.get(keys[len(pages)]) if len(pages) < usable else None
         if owner is not None and owner is not seq:
@@ -215,7 +218,7 @@ class Engine:
         """Registers the pages this step filled, so later requests can reuse them."""
         page_size, done = self.cfg.page_size, len(seq.page_keys)
         full = seq.num_computed // page_size
-        if full <= done:
+        if full <= done or not self.prefix_caching:
             return
         tokens = seq.tokens(done * page_size, (full - done) * page_size)
         start = seq.page_keys[-1] if seq.page_keys else b""

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 from jaxinfer.errors import CompileAfterWarmupError
+from jaxinfer.kv.prefix_cache import PrefixCachingPool
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
 from jaxinfer.models.llama import KV_CACHE_AXES
@@ -84,6 +85,8 @@ class ModelRunner:
         self.graphdef, self.state = nnx.split(model)
         self.max_pages_per_seq = cfg.max_pages_per_seq(model_cfg)
         self.caches = self._allocate_caches(model.dtype)
+        # The host's record of the device pages: one per KV pool, shared by every engine on it.
+        self.pool = PrefixCachingPool(cfg.num_pages)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
         self._executables: dict[int, jax.stages.Compiled] = {}

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -29,8 +30,8 @@ def chain_keys(tokens: Sequence[int], page_size: int, salt: str = "", start: byt
 class PrefixCachingPool:
     """The device page pool's host bookkeeping; page 0 (the null page) is never handed out."""
 
-    def __init__(self, num_pages: int, enabled: bool = True):
-        self.num_pages, self.enabled = num_pages, enabled
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
         self._free: deque[int] = deque(range(1, num_pages))
         self._cached_free: OrderedDict[int, bytes] = OrderedDict()  # refcount 0, content kept, LRU first
         self._refs = [0] * num_pages
@@ -78,8 +79,6 @@ class PrefixCachingPool:
 
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Pages of the longest cached prefix of `keys`, each now referenced once more."""
-        if not self.enabled:
-            return []
         pages = []
         for key in keys:
             page = self._page_of.get(key)
@@ -90,11 +89,17 @@ class PrefixCachingPool:
             pages.append(page)
         return pages
 
-    def contains(self, key: bytes) -> bool:
-        return self.enabled and key in self._page_of
-
     def register(self, page: int, key: bytes) -> None:
         """Publishes a full page under its key (a page already published under the key wins)."""
-        if self.enabled and key not in self._page_of and page not in self._key_of:
+        if key not in self._page_of and page not in self._key_of:
             self._page_of[key] = page
             self._key_of[page] = key
+
+    @contextmanager
+    def hold(self, keep_free: int) -> Iterator[None]:
+        """Takes all but `keep_free` free pages out of use for a while (to exercise a small pool)."""
+        held = self.allocate(max(0, self.num_free - keep_free)) or []
+        try:
+            yield
+        finally:
+            self.free(held)
