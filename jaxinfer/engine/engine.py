@@ -90,6 +90,7 @@ class EngineStats:
     forged_tokens_downgraded: int = 0
     prefix_queried_tokens: int = 0
     prefix_hit_tokens: int = 0
+    aborted: int = 0
 
 
 class Engine:
@@ -105,6 +106,9 @@ class Engine:
         self.stats = EngineStats()
         self._rng = random.Random(self.cfg.seed)
         self._arrivals = 0
+        self._next_index = -1
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []
 
     # -- public -----------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -136,27 +140,62 @@ class Engine:
         """Runs the requests to completion; outputs in request order."""
         for request in requests:
             self.validate(request.prompt_ids, request.params)
-        for request in requests:
-            self._record_guard(request)
-        waiting = deque(self._new_sequence(i, r) for i, r in enumerate(requests))
-        running: list[Sequence] = []
+        sequences = [self._enqueue(r) for r in requests]  # all validated first: none queued if one is bad
         outputs: dict[int, RequestOutput] = {}
         try:
-            while waiting or running:
-                chunks = self._schedule(waiting, running)
-                if not chunks:
-                    raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
-                self._execute(chunks)
-                for seq in [c.seq for c in chunks if c.seq.finish_reason]:
-                    running.remove(seq)
-                    self._release(seq)
-                    outputs[seq.index] = out = self._output(seq)
+            while self.has_unfinished():
+                for out in self.step():
+                    outputs[out.index] = out
                     if on_finish:
                         on_finish(out)
-        finally:
-            for seq in running:  # an error mid-run must not leak pages
+        except BaseException:
+            for seq in sequences:  # an error mid-run must not leak pages or leave requests queued
+                self.abort(seq.index)
+            raise
+        return [outputs[seq.index] for seq in sequences]
+
+    # -- step-wise API (what a server drives) --------------------------------------------------
+    def add_request(self, request: Request) -> Sequence:
+        """Validates and queues a request; its output comes from a later `step()` (or `abort`)."""
+        self.validate(request.prompt_ids, request.params)
+        return self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> Sequence:
+        self._record_guard(request)
+        self._next_index += 1
+        seq = self._new_sequence(self._next_index, request)
+        self._waiting.append(seq)
+        return seq
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedules and runs one step; returns the requests that finished in it."""
+        if not self.has_unfinished():
+            return []
+        chunks = self._schedule(self._waiting, self._running)
+        if not chunks:
+            raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
+        self._execute(chunks)
+        finished = []
+        for seq in [c.seq for c in chunks if c.seq.finish_reason]:
+            self._running.remove(seq)
+            self._release(seq)
+            finished.append(self._output(seq))
+        return finished
+
+    def abort(self, index: int) -> RequestOutput | None:
+        """Cancels a queued or running request now; its pages are free before the next step."""
+        for queue in (self._waiting, self._running):
+            seq = next((s for s in queue if s.index == index), None)
+            if seq is not None:
+                queue.remove(seq)
                 self._release(seq)
-        return [outputs[i] for i in range(len(requests))]
+                seq.finish_reason = "abort"
+                self.stats.aborted += 1
+                return self._output(seq)
+        return None
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)

@@ -89,7 +89,9 @@ class Request:
 
 @dataclass
 class RequestOutput:
-    """One finished request. finish_reason: "stop" (EOS, stop token or string) or "length"."""
+    """One finished request. finish_reason: "stop" (EOS, stop token or string), "length" or "abort".
+
+    `index` is the engine's id for the request (what `Engine.abort` takes)."""
 
     index: int
     prompt_token_ids: list[int]
