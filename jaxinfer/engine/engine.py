@@ -10,8 +10,8 @@ differ by rounding, as in any engine that recomputes.
 Prefix cache: on admission a sequence takes the longest chain of cached full pages (keys from
 `kv/prefix_cache.py`) and computes only the rest; every page a step fills is published. When the
 first missing page is being computed by a running sequence (one long system prompt shared by a
-batch), the newcomer waits for it instead of computing it again. Overlapped scheduling and
-cancellation come with the full scheduler.
+batch), the newcomer waits for it instead of computing it again. The engine runs step by step
+(`add_request`, `step`, `abort`); overlapped scheduling comes with the full scheduler.
 """
 
 from __future__ import annotations
