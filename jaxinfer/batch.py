@@ -19,7 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from jaxinfer.engine.params import Request, SamplingParams
+from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
@@ -126,20 +126,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "page_size": args.page_size}
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
     start = time.perf_counter()
-    runnable: list[tuple[Job, Request]] = []
+    engine, job_of = llm.engine, {}
     for job in jobs:
         request = to_request(llm, job) if job.error is None else None
         if request is not None:
             try:
-                llm.engine.validate(request.prompt_ids, request.params)
-                runnable.append((job, request))
+                job_of[engine.add_request(request).index] = job  # validates; a bad line fails alone
             except RequestError as exc:
                 job.error = f"line {job.line}: {exc}"
-    bar = tqdm(total=len(runnable), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
-    outputs = llm.engine.generate([r for _, r in runnable], on_finish=lambda _: bar.update(1))
+    bar = tqdm(total=len(job_of), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
+    results: dict[int, RequestOutput] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            results[id(job_of[out.index])] = out
+            bar.update(1)
     bar.close()
+    outputs = list(results.values())
     wall = time.perf_counter() - start
-    results = {id(job): out for (job, _), out in zip(runnable, outputs, strict=True)}
     _write_output(args.output, jobs, results)
     completion = sum(o.usage.completion_tokens for o in outputs)
     return {

@@ -43,8 +43,6 @@ audit = logging.getLogger("jaxinfer.audit")
 class Sequence:
     index: int
     request: Request
-    prompt_ids: list[int]
-    params: SamplingParams
     seed: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -57,6 +55,14 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # streams the output text (for stop strings)
     stop_at: int | None = None  # where a stop string starts in the decoded output
     arrival: int = 0  # admission order, for preempting the newest
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
 
     def tokens(self, start: int, count: int) -> list[int]:
         """Tokens at positions [start, start + count) of prompt + output, without copying the rest."""
@@ -216,8 +222,7 @@ class Engine:
         params = request.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         detokenizer = IncrementalDetokenizer(self.tokenizer) if params.stop else None
-        return Sequence(index=index, request=request, prompt_ids=list(request.prompt_ids), params=params, seed=seed,
-                        detokenizer=detokenizer)
+        return Sequence(index=index, request=request, seed=seed, detokenizer=detokenizer)
 
     def _pages_for(self, seq: Sequence, upto: int) -> bool:
         """Makes sure `seq` owns pages for positions < upto; False if the pool cannot."""
@@ -283,8 +288,8 @@ class Engine:
             count = min(seq.num_tokens - seq.num_computed, budget)
             while not self._pages_for(seq, seq.num_computed + count):
                 victim = max(running, key=lambda s: s.arrival)
+                # The newest is never scheduled yet in this step (running is walked oldest first).
                 self._preempt(victim, running, waiting)
-                chunks = [c for c in chunks if c.seq is not victim]
                 if victim is seq:
                     break
             if seq in running:

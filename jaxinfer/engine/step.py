@@ -102,10 +102,6 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return tuple(KVCache(zeros(), zeros()) for _ in range(m.num_layers))
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(c.k.nbytes + c.v.nbytes for c in self.caches)
-
     # -- buckets ---------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
         for bucket in self.cfg.token_buckets:

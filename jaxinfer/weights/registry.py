@@ -40,7 +40,8 @@ def resolve(name_or_path: str | os.PathLike) -> ResolvedCheckpoint:
     text = str(name_or_path)
     entries = _registry()
     if text in entries:
-        return ResolvedCheckpoint(_kind_of(_entry_path(text, entries[text])), _entry_path(text, entries[text]), text)
+        path = _entry_path(text, entries[text])
+        return ResolvedCheckpoint(_kind_of(path), path, text)
     path = Path(text).expanduser()
     if path.exists():
         return ResolvedCheckpoint(_kind_of(path), path, text)
