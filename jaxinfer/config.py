@@ -164,6 +164,7 @@ class EngineConfig:
     mesh_data: int = 1
     mesh_model: int = 0  # 0: all remaining devices
     prefix_caching: bool = True
+    async_scheduling: bool = True  # dispatch step N+1 before reading step N's sampled ids (overlap)
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True

@@ -6,6 +6,12 @@ compiled executable per token-count bucket. A batch of T tokens is padded to the
 shapes, and so of compiles, is exactly the configured buckets. Calling an executable with any
 other shape is impossible by construction; a bucket that warm-up did not compile is compiled on
 first use and counted, and the compile guard turns that into an error where required.
+
+Overlapped scheduling: a token whose id the host does not know yet (sampled by the step still in
+flight) is sent as an index into that step's output (`from_prev`), which stays on the device and
+is passed to the next step. The sampled ids are always padded to `max_seqs`, so this input has
+one shape for every bucket; engines sharing a runner each pass their own previous step.
+`dispatch` returns at once with a `StepResult` whose copy to the host is already under way.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     tokens: jax.Array  # [T] int32
+    from_prev: jax.Array  # [T] int32: row of the previous step's sampled ids to use instead (-1: use `tokens`)
     meta: AttentionMetadata
     logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
     sampling: SamplingInputs
@@ -46,6 +53,7 @@ class HostBatch:
     """The numpy arrays of one step, already padded to a bucket (see `ModelRunner.empty_batch`)."""
 
     tokens: np.ndarray
+    from_prev: np.ndarray
     positions: np.ndarray
     seq_rows: np.ndarray
     write_slots: np.ndarray
@@ -68,15 +76,30 @@ class HostBatch:
         sampling = SamplingInputs(
             self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step, self.banned
         )
-        return StepInputs(self.tokens, meta, self.logits_rows, sampling)
+        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling)
 
 
-def _step(graphdef, state, caches, inputs: StepInputs):
+@dataclasses.dataclass
+class StepResult:
+    """One dispatched step: its sampled ids and logprobs stay on the device until `fetch`."""
+
+    tokens: jax.Array  # [max_seqs] int32
+    logprobs: jax.Array  # [max_seqs] float32
+    rows: int
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Waits for the step and returns (sampled token per row, its logprob) on the host."""
+        return np.asarray(self.tokens)[: self.rows], np.asarray(self.logprobs)[: self.rows]
+
+
+def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs):
     model = nnx.merge(graphdef, state)
-    hidden, caches = model(inputs.tokens, caches, inputs.meta)
+    ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
+    hidden, caches = model(ids, caches, inputs.meta)
     logits = model.logits(hidden[inputs.logits_rows])
     tokens, logprobs = sample(logits, inputs.sampling)
-    return caches, tokens, logprobs
+    pad = (0, prev_tokens.shape[0] - tokens.shape[0])
+    return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
 
 
 class ModelRunner:
@@ -88,6 +111,7 @@ class ModelRunner:
         # The host's record of the device pages: one per KV pool, shared by every engine on it.
         self.pool = PrefixCachingPool(cfg.num_pages)
         self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self._replicated)
         self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
         self._executables: dict[int, jax.stages.Compiled] = {}
         self.warmed_up = False
@@ -118,6 +142,7 @@ class ModelRunner:
         zeros_t = np.zeros(bucket, np.int32)
         return HostBatch(
             tokens=zeros_t.copy(),
+            from_prev=np.full(bucket, -1, np.int32),
             positions=zeros_t.copy(),
             seq_rows=zeros_t.copy(),
             write_slots=zeros_t.copy(),
@@ -141,7 +166,9 @@ class ModelRunner:
 
     def _compile(self, bucket: int) -> jax.stages.Compiled:
         start = time.perf_counter()
-        lowered = self._jitted.lower(self.graphdef, self.state, self.caches, self._abstract_inputs(bucket))
+        lowered = self._jitted.lower(
+            self.graphdef, self.state, self.caches, self._no_tokens, self._abstract_inputs(bucket)
+        )
         executable = lowered.compile()
         log.info("compiled step for %d tokens in %.1fs", bucket, time.perf_counter() - start)
         return executable
@@ -174,9 +201,16 @@ class ModelRunner:
         return len(self._executables)
 
     # -- run -------------------------------------------------------------------------------
-    def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Runs one step; returns (sampled token per row, its logprob), read back to the host."""
+    def dispatch(self, batch: HostBatch, previous: StepResult | None = None) -> StepResult:
+        """Enqueues one step and returns without waiting for it; `from_prev` indexes `previous`'s ids."""
         executable = self._executable(batch.num_tokens)
         inputs = jax.device_put(batch.to_inputs(), self._replicated)
-        self.caches, tokens, logprobs = executable(self.state, self.caches, inputs)
-        return np.asarray(tokens), np.asarray(logprobs)
+        prev_tokens = previous.tokens if previous is not None else self._no_tokens
+        self.caches, tokens, logprobs = executable(self.state, self.caches, prev_tokens, inputs)
+        tokens.copy_to_host_async()
+        logprobs.copy_to_host_async()
+        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens))
+
+    def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Runs one step and waits for it: (sampled token per row, its logprob)."""
+        return self.dispatch(batch).fetch()

@@ -1,0 +1,42 @@
+"""The engine's counters (monotonic totals) and the gauges derived from them for monitoring."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    tokens_scheduled: int = 0  # real (unpadded) tokens over all steps
+    padded_tokens: int = 0  # bucket sizes over all steps
+    prompt_tokens_computed: int = 0
+    preemptions: int = 0
+    step_seconds: float = 0.0  # wall time inside Engine.step
+    host_seconds: float = 0.0  # of which the host was busy (scheduling, batch building, post-processing)
+    forged_tokens_downgraded: int = 0
+    prefix_queried_tokens: int = 0
+    prefix_hit_tokens: int = 0
+    aborted: int = 0
+    discarded_samples: int = 0  # ids sampled for a sequence that had finished meanwhile (overlap's cost)
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def snapshot(stats: EngineStats, running: int, waiting: int, free_pages: int, total_pages: int) -> dict[str, float]:
+    """Counters plus gauges: queue lengths, pages, and per-step averages."""
+    steps = max(stats.steps, 1)
+    queried = stats.prefix_queried_tokens
+    return {
+        **stats.as_dict(),
+        "running": running,
+        "waiting": waiting,
+        "free_pages": free_pages,
+        "total_pages": total_pages,
+        "tokens_per_step": stats.tokens_scheduled / steps,
+        "step_ms": 1000 * stats.step_seconds / steps,
+        "host_ms_per_step": 1000 * stats.host_seconds / steps,
+        "host_fraction": stats.host_seconds / stats.step_seconds if stats.step_seconds else 0.0,
+        "prefix_hit_rate": stats.prefix_hit_tokens / queried if queried else 0.0,
+    }

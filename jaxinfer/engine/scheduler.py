@@ -1,0 +1,166 @@
+"""Which tokens each step computes: the waiting and running queues, page allocation, prefix reuse, preemption.
+
+Each step takes one decode token from every running sequence, oldest first, then fills the rest
+of the token budget with prompt chunks of waiting sequences, oldest request first (first come,
+first served). A long prompt is cut into chunks, so it never holds up decoding for more than one
+step. A sequence that needs a page when none is free preempts the newest running sequence, which
+gives its pages back and later recomputes its prompt and output so far.
+
+Prefix cache: on admission a sequence takes the longest chain of cached full pages (keys from
+`kv/prefix_cache.py`) and computes only the rest; every full page whose ids are known is
+published. When the first missing page is being computed by a running sequence (one long system
+prompt shared by a batch), the newcomer waits for it instead of computing it again.
+
+Overlapped scheduling: a running sequence whose newest id is still on the device is scheduled
+like any other (the step reads that id on the device); one that already has `max_tokens` ids
+counting those in flight is not. A preempted sequence with an id in flight waits in the queue
+until the id is read back.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.metrics import EngineStats
+from jaxinfer.engine.sequence import ScheduledChunk, Sequence
+from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self, cfg: EngineConfig, pool: PrefixCachingPool, max_model_len: int, prefix_caching: bool, stats: EngineStats
+    ):
+        self.cfg, self.pool, self.max_model_len, self.stats = cfg, pool, max_model_len, stats
+        self.prefix_caching = prefix_caching
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._pending: dict[bytes, Sequence] = {}  # page key -> the running sequence that will compute it
+        self._arrivals = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, index: int) -> Sequence | None:
+        return next((s for queue in (self.waiting, self.running) for s in queue if s.index == index), None)
+
+    def finish(self, seq: Sequence) -> None:
+        """Takes a finished or cancelled sequence out of its queue and frees its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self._release(seq)
+
+    # -- one step ----------------------------------------------------------------------------
+    def schedule(self) -> list[ScheduledChunk]:
+        budget = self.cfg.max_tokens_per_step
+        chunks: list[ScheduledChunk] = []
+        for seq in sorted(self.running, key=lambda s: s.arrival):
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if seq not in self.running or count == 0 or not seq.wants_token(self.max_model_len):
+                continue
+            while not self._pages_for(seq, seq.num_computed + count):
+                victim = max(self.running, key=lambda s: s.arrival)
+                # The newest is never scheduled yet in this step (running is walked oldest first).
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            if seq in self.running:
+                chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+                budget -= count
+        chunks += self._admit(budget)
+        return chunks
+
+    def _admit(self, budget: int) -> list[ScheduledChunk]:
+        chunks: list[ScheduledChunk] = []
+        deferred: list[Sequence] = []  # an id still in flight, or the next prefix page is being computed
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
+            seq = self.waiting.popleft()
+            if seq.inflight or not self._attach_prefix(seq):
+                deferred.append(seq)
+                continue
+            count = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._pages_for(seq, seq.num_computed + count):
+                self._release(seq)
+                self.waiting.appendleft(seq)
+                break
+            self._arrivals += 1
+            seq.arrival = self._arrivals
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+            budget -= count
+        self.waiting.extendleft(reversed(deferred))
+        return chunks
+
+    # -- pages -------------------------------------------------------------------------------
+    def _pages_for(self, seq: Sequence, upto: int) -> bool:
+        """Makes sure `seq` owns pages for positions < upto; False if the pool cannot."""
+        needed = math.ceil(upto / self.cfg.page_size) - len(seq.pages)
+        if needed <= 0:
+            return True
+        pages = self.pool.allocate(needed)
+        if pages is None:
+            return False
+        seq.pages += pages
+        return True
+
+    def _preempt(self, victim: Sequence) -> None:
+        self.running.remove(victim)
+        self._release(victim)
+        self.waiting.appendleft(victim)
+        self.stats.preemptions += 1
+        log.info("preempted request %d (%d tokens to recompute)", victim.index, victim.num_tokens)
+
+    def _release(self, seq: Sequence) -> None:
+        self.pool.free(seq.pages)
+        seq.pages, seq.page_keys, seq.num_computed = [], [], 0
+        for key in seq.pending_keys:
+            if self._pending.get(key) is seq:
+                del self._pending[key]
+        seq.pending_keys = []
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def _attach_prefix(self, seq: Sequence) -> bool:
+        """Takes the longest cached prefix; False (nothing taken) when the next page is in flight.
+
+        At least one token is always left to compute, so the step has a row to sample from. If the
+        first page still missing is being computed by a running sequence (a shared system prompt
+        in one batch), waiting for it is cheaper than computing it twice.
+        """
+        page_size = self.cfg.page_size
+        keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.request.cache_salt)
+        usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
+        pages = self.pool.lookup(keys[:usable])
+        owner = self._pending.get(keys[len(pages)]) if len(pages) < usable else None
+        if owner is not None and owner is not seq:
+            self.pool.free(pages)
+            return False
+        seq.pages, seq.page_keys, seq.num_computed = pages, keys[: len(pages)], len(pages) * page_size
+        seq.pending_keys = [k for k in keys[len(pages) :] if self._pending.setdefault(k, seq) is seq]
+        if seq.cached_tokens < 0:
+            seq.cached_tokens = min(seq.num_computed, len(seq.prompt_ids))
+            self.stats.prefix_queried_tokens += len(seq.prompt_ids)
+            self.stats.prefix_hit_tokens += seq.cached_tokens
+        return True
+
+    def publish_pages(self, seq: Sequence) -> None:
+        """Registers the full pages computed (or dispatched) whose ids are known, so later requests reuse them."""
+        page_size, done = self.cfg.page_size, len(seq.page_keys)
+        full = min(seq.num_computed, seq.num_known) // page_size
+        if full <= done or not self.prefix_caching:
+            return
+        tokens = seq.tokens(done * page_size, (full - done) * page_size)
+        start = seq.page_keys[-1] if seq.page_keys else b""
+        for i, key in enumerate(chain_keys(tokens, page_size, seq.request.cache_salt, start), start=done):
+            self.pool.register(seq.pages[i], key)
+            if self._pending.get(key) is seq:
+                del self._pending[key]
+            seq.page_keys.append(key)

@@ -1,0 +1,79 @@
+"""A request's state inside the engine: its tokens, pages, progress and finish, and one step's chunk of it.
+
+Under overlapped scheduling a sequence can have sampled ids that are still on the device
+(`inflight`): they count as tokens (positions, pages, the sampler's step number) but their values
+are not known to the host until the step that sampled them is read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxinfer.engine.params import Request, SamplingParams
+from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(eq=False)  # identity: `in running` and `remove` must not compare whole token lists
+class Sequence:
+    index: int
+    request: Request
+    seed: int
+    output_ids: list[int] = field(default_factory=list)  # sampled ids the host has read back
+    logprobs: list[float] = field(default_factory=list)
+    inflight: int = 0  # sampled ids still on the device (overlapped scheduling)
+    last_row: int = -1  # this sequence's row in the step that sampled its newest id
+    pages: list[int] = field(default_factory=list)
+    page_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of the full pages computed
+    pending_keys: list[bytes] = field(default_factory=list)  # keys this sequence will publish
+    num_computed: int = 0  # tokens whose K/V are in the cache (or written by a dispatched step)
+    cached_tokens: int = -1  # prompt tokens served by the prefix cache at first admission (-1: not yet)
+    finish_reason: str | None = None
+    detokenizer: IncrementalDetokenizer | None = None  # streams the output text (for stop strings)
+    stop_at: int | None = None  # where a stop string starts in the decoded output
+    arrival: int = 0  # admission order, for preempting the newest
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.request.prompt_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt, read-back output and in-flight samples."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.inflight
+
+    def tokens(self, start: int, count: int) -> list[int]:
+        """Known ids at positions [start, start + count) of prompt + output, without copying the rest."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.output_ids[start - split : start - split + count]
+        return (self.prompt_ids[start : start + count] + self.output_ids)[:count]
+
+    def wants_token(self, max_model_len: int) -> bool:
+        """Whether another sample could still be kept (no length limit reached counting in-flight ids)."""
+        return self.num_generated < self.params.max_tokens and self.num_tokens < max_model_len
+
+
+@dataclass
+class ScheduledChunk:
+    """Positions [start, start + count) of one sequence, computed in one step."""
+
+    seq: Sequence
+    start: int
+    count: int
+    samples: bool = False  # the chunk reaches the sequence's last token, so its row's sample is kept
+
+    def __post_init__(self) -> None:
+        self.samples = self.start + self.count == self.seq.num_tokens
