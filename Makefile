@@ -34,7 +34,7 @@ lint: setup
 	$(BIN)/ruff check .
 
 bench: setup
-	$(BIN)/python tools/bench.py
+	$(BIN)/python tools/bench.py all
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

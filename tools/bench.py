@@ -1,11 +1,14 @@
-"""Benchmark: jaxinfer on SmolLM2-135M (CPU), with transformers' generate() on the same work.
+"""Benchmarks: jaxinfer on SmolLM2-135M, each with its transformers peer run in the same command.
 
-    python tools/bench.py                     # batch 1 and 8, 64 prompt tokens, 32 new tokens
-    python tools/bench.py --batch 1 8 32 --in-len 128 --out-len 64 --no-peer
+    python tools/bench.py uniform --batch 1 8       # B prompts of one length; peer: ../shared/bench/hf_peer.py
+    python tools/bench.py offline                   # 64 prompts of 16-256 tokens, 64 new; overlap on/off vs HF
+    python tools/bench.py shared-prefix             # 32 requests after one 512-token system prompt: TTFT
+    python tools/bench.py host                      # host share of the step wall time at batch 32
+    python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
 
-Prints one JSON line per measurement: jaxinfer's, the peer's (../shared/bench/hf_peer.py, run in
-the same command so both share the machine and the moment), and their ratio. Prompts are random
-token ids; every request generates exactly --out-len tokens (EOS ignored), as the peer does.
+Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
+(seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
+do. Each jaxinfer measurement is preceded by a short run that touches every bucket it will use.
 """
 
 from __future__ import annotations
@@ -15,86 +18,217 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_PEER = REPO.parent / "shared" / "bench" / "hf_peer.py"
+SHARED_PEER = REPO.parent / "shared" / "bench" / "hf_peer.py"
+OFFLINE_PEER = REPO / "tools" / "hf_offline_peer.py"
 
 
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
 
 
-def bench_jaxinfer(args: argparse.Namespace) -> dict[int, float]:
+def load_llm(args: argparse.Namespace):
     import jax
 
-    from jaxinfer import LLM, SamplingParams
+    from jaxinfer import LLM
 
     start = time.perf_counter()
     llm = LLM(args.model, args.config)
     emit(dict(what="jaxinfer_env", jax=jax.__version__, backend=jax.default_backend(), devices=len(jax.devices()),
-              model=args.model, dtype=np.dtype(llm.dtype).name,
+              cpus=os.cpu_count(), model=args.model, dtype=np.dtype(llm.dtype).name,
               load_s=round(llm.load_seconds, 1), warmup_s=round(llm.warmup_seconds, 1),
               compiles=llm.runner.num_compiles, buckets=list(llm.config.token_buckets),
-              startup_s=round(time.perf_counter() - start, 1)))
-    vocab = llm.model_config.vocab_size
-    params = SamplingParams(max_tokens=args.out_len, min_tokens=args.out_len, ignore_eos=True, temperature=0.0)
-    rng = np.random.default_rng(0)
-    results = {}
-    for batch in args.batch:
-        prompts = [rng.integers(3, vocab - 1, args.in_len).tolist() for _ in range(batch)]
-        llm.generate(prompts, SamplingParams(max_tokens=2, min_tokens=2, ignore_eos=True, temperature=0.0))
-        steps_before = llm.engine.stats.steps
-        t = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        seconds = time.perf_counter() - t
-        new = sum(len(o.token_ids) for o in outputs)
-        results[batch] = new / seconds
-        emit(dict(what="jaxinfer_generate", batch=batch, in_len=args.in_len, new_tokens=new // batch,
-                  s=round(seconds, 3), tok_per_s=round(new / seconds, 1),
-                  steps=llm.engine.stats.steps - steps_before,
-                  compiles_after_warmup=llm.runner.compiles_after_warmup))
-    return results
+              max_seqs=llm.config.max_seqs, startup_s=round(time.perf_counter() - start, 1)))
+    return llm
 
 
-def bench_peer(args: argparse.Namespace) -> dict[int, float]:
-    runner = REPO / "tools" / "run_peer.py"
-    command = [sys.executable, str(runner), str(args.peer), "--shape", "smollm2-135m", "--device", "cpu",
-               "--batch", *map(str, args.batch), "--in-len", str(args.in_len), "--out-len", str(args.out_len)]
+def random_prompts(llm, lengths: list[int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, llm.model_config.vocab_size - 1, n).tolist() for n in lengths]
+
+
+def exact(n: int):
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
+
+
+def fresh_engine(llm, **flags):
+    from jaxinfer.engine.engine import Engine
+
+    return Engine(llm.runner, llm.tokenizer, llm.max_model_len, **flags)
+
+
+def timed_generate(engine, requests) -> tuple[float, list]:
+    start = time.perf_counter()
+    outputs = engine.generate(requests)
+    return time.perf_counter() - start, outputs
+
+
+def step_summary(engine) -> dict:
+    m = engine.metrics()
+    return dict(steps=m["steps"], tokens_per_step=round(m["tokens_per_step"], 1), step_ms=round(m["step_ms"], 1),
+                host_ms_per_step=round(m["host_ms_per_step"], 2), host_fraction=round(m["host_fraction"], 4),
+                discarded_samples=m["discarded_samples"], compiles_after_warmup=engine.runner.compiles_after_warmup)
+
+
+def run_peer(command: list[str]) -> list[dict]:
     proc = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, TQDM_DISABLE="1"))
     if proc.returncode != 0:
         emit(dict(what="peer_error", stderr=proc.stderr[-2000:]))
-        return {}
+        return []
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    for record in records:
+        emit(record)
+    return records
+
+
+# -- uniform: B prompts of one length (the shared peer's workload) ------------------------------
+def bench_uniform(args: argparse.Namespace) -> None:
+    llm = load_llm(args)
+    ours = {}
+    for batch in args.batch:
+        prompts = random_prompts(llm, [args.in_len] * batch, seed=0)
+        llm.generate(prompts, exact(2))
+        engine = fresh_engine(llm)
+        seconds, outputs = timed_generate(engine, [llm.request(p, exact(args.out_len)) for p in prompts])
+        new = sum(len(o.token_ids) for o in outputs)
+        ours[batch] = new / seconds
+        emit(dict(what="jaxinfer_generate", batch=batch, in_len=args.in_len, new_tokens=new // batch,
+                  s=round(seconds, 3), tok_per_s=round(new / seconds, 1), **step_summary(engine)))
+    if args.no_peer or not SHARED_PEER.exists():
+        return
+    command = [sys.executable, str(REPO / "tools" / "run_peer.py"), str(SHARED_PEER), "--shape", "smollm2-135m",
+               "--device", "cpu", "--batch", *map(str, args.batch), "--in-len", str(args.in_len),
+               "--out-len", str(args.out_len)]
+    theirs = {r["batch"]: r["tok_per_s"] for r in run_peer(command) if r.get("what") == "hf_generate"}
+    for batch in args.batch:
+        if batch in theirs:
+            emit(dict(what="ratio", batch=batch, jaxinfer_over_hf=round(ours[batch] / theirs[batch], 2)))
+
+
+# -- offline: mixed prompt lengths, overlap on and off, HF padded batches -------------------------
+def bench_offline(args: argparse.Namespace, llm=None) -> None:
+    llm = llm or load_llm(args)
+    lengths = np.random.default_rng(1).integers(args.min_len, args.max_len + 1, args.requests).tolist()
+    prompts = random_prompts(llm, lengths, seed=2)
+    requests = [llm.request(p, exact(args.out_len)) for p in prompts]
+    fresh_engine(llm, prefix_caching=False).generate([llm.request(p, exact(2)) for p in prompts])
+    ours = {}
+    for overlap in (True, False):
+        engine = fresh_engine(llm, prefix_caching=False, async_scheduling=overlap)
+        seconds, outputs = timed_generate(engine, requests)
+        new = sum(len(o.token_ids) for o in outputs)
+        ours[overlap] = new / seconds
+        emit(dict(what="jaxinfer_offline", overlap=overlap, requests=len(prompts), prompt_tokens=sum(lengths),
+                  new_tokens=new, s=round(seconds, 2), tok_per_s=round(new / seconds, 1), **step_summary(engine)))
+    emit(dict(what="overlap_speedup", on_over_off=round(ours[True] / ours[False], 3)))
+    if args.no_peer:
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    try:
+        for hf_batch in args.hf_batch:
+            command = [sys.executable, str(OFFLINE_PEER), f.name, "--new-tokens", str(args.out_len),
+                       "--batch", str(hf_batch)]
+            for record in run_peer(command):
+                emit(dict(what="ratio", workload="offline", hf_batch=hf_batch,
+                          jaxinfer_overlap_over_hf=round(ours[True] / record["tok_per_s"], 2)))
+    finally:
+        os.unlink(f.name)
+
+
+# -- shared prefix: time to first token with and without the prefix cache -------------------------
+def time_to_first_token(engine, requests) -> list[float]:
+    """Seconds from submission to each request's first token (all submitted at once)."""
+    start, first = time.perf_counter(), {}
+    sequences = [engine.add_request(r) for r in requests]
+    while engine.has_unfinished():
+        engine.step()
+        now = time.perf_counter() - start
+        first.update({s.index: now for s in sequences if s.output_ids and s.index not in first})
+    return [first[s.index] for s in sequences]
+
+
+def bench_shared_prefix(args: argparse.Namespace, llm=None) -> None:
+    from jaxinfer.engine.params import Request
+
+    llm = llm or load_llm(args)
+    rng = np.random.default_rng(3)
+    (system,) = random_prompts(llm, [args.prefix_len], seed=4)
+    tails = random_prompts(llm, rng.integers(8, 33, args.prefix_requests).tolist(), seed=5)
+    requests = [llm.request(system + tail, exact(1)) for tail in tails]
     results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            record = json.loads(line)
-            print(line, flush=True)
-            if record.get("what") == "hf_generate":
-                results[record["batch"]] = record["tok_per_s"]
-    return results
+    for caching in (False, True):
+        warm_salt = f"warm-{caching}"  # warm the buckets without leaving the measured prefix in the cache
+        fresh_engine(llm, prefix_caching=caching).generate(
+            [Request(system + tail, exact(1), cache_salt=warm_salt) for tail in tails[:4]])
+        engine = fresh_engine(llm, prefix_caching=caching)
+        ttft = np.array(time_to_first_token(engine, requests))
+        results[caching] = ttft
+        emit(dict(what="jaxinfer_shared_prefix", prefix_cache=caching, requests=len(requests),
+                  prefix_tokens=args.prefix_len, mean_ttft_s=round(float(ttft.mean()), 3),
+                  p50_ttft_s=round(float(np.median(ttft)), 3), max_ttft_s=round(float(ttft.max()), 3),
+                  prompt_tokens_computed=engine.stats.prompt_tokens_computed,
+                  prefix_hit_tokens=engine.stats.prefix_hit_tokens, **step_summary(engine)))
+    emit(dict(what="ratio", workload="shared-prefix",
+              mean_ttft_without_over_with=round(float(results[False].mean() / results[True].mean()), 2),
+              max_ttft_without_over_with=round(float(results[False].max() / results[True].max()), 2)))
+
+
+# -- host overhead at batch 32 ----------------------------------------------------------------------
+def bench_host(args: argparse.Namespace, llm=None) -> None:
+    llm = llm or load_llm(args)
+    prompts = random_prompts(llm, [args.in_len] * args.batch_size, seed=6)
+    fresh_engine(llm, prefix_caching=False).generate([llm.request(p, exact(2)) for p in prompts])
+    for overlap in (True, False):
+        engine = fresh_engine(llm, prefix_caching=False, async_scheduling=overlap)
+        seconds, outputs = timed_generate(engine, [llm.request(p, exact(args.out_len)) for p in prompts])
+        new = sum(len(o.token_ids) for o in outputs)
+        emit(dict(what="jaxinfer_host_overhead", overlap=overlap, batch=args.batch_size, in_len=args.in_len,
+                  new_tokens=args.out_len, tok_per_s=round(new / seconds, 1), **step_summary(engine)))
+
+
+def bench_all(args: argparse.Namespace) -> None:
+    llm = load_llm(args)
+    bench_offline(args, llm)
+    bench_shared_prefix(args, llm)
+    bench_host(args, llm)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--config", default=None, help="engine TOML")
-    p.add_argument("--batch", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--in-len", type=int, default=64)
-    p.add_argument("--out-len", type=int, default=32)
-    p.add_argument("--peer", type=Path, default=DEFAULT_PEER)
+    p.add_argument("--config", default=str(REPO / "configs" / "engine-cpu.toml"), help="engine TOML")
     p.add_argument("--no-peer", action="store_true")
+    sub = p.add_subparsers(dest="workload", required=True)
+    uniform = sub.add_parser("uniform")
+    uniform.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    uniform.add_argument("--in-len", type=int, default=64)
+    uniform.add_argument("--out-len", type=int, default=32)
+    workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host, "all": bench_all}
+    for name in workloads:
+        w = sub.add_parser(name)
+        w.add_argument("--requests", type=int, default=64)
+        w.add_argument("--prefix-requests", type=int, default=32)
+        w.add_argument("--min-len", type=int, default=16)
+        w.add_argument("--max-len", type=int, default=256)
+        w.add_argument("--out-len", type=int, default=64)
+        w.add_argument("--hf-batch", type=int, nargs="+", default=[64])
+        w.add_argument("--prefix-len", type=int, default=512)
+        w.add_argument("--batch-size", type=int, default=32)
+        w.add_argument("--in-len", type=int, default=128)
     args = p.parse_args()
-    ours = bench_jaxinfer(args)
-    if args.no_peer or not args.peer.exists():
-        return
-    theirs = bench_peer(args)
-    for batch in args.batch:
-        if batch in theirs:
-            emit(dict(what="ratio", batch=batch, jaxinfer_over_hf=round(ours[batch] / theirs[batch], 2)))
+    if args.workload == "uniform":
+        bench_uniform(args)
+    else:
+        workloads[args.workload](args)
 
 
 if __name__ == "__main__":
