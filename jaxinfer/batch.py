@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     wall = time.perf_counter() - start
     _write_output(args.output, jobs, results)
     completion = sum(o.usage.completion_tokens for o in outputs)
+    metrics = llm.engine.metrics()
     return {
         "requests": len(jobs),
         "errors": sum(1 for j in jobs if j.error),
@@ -155,6 +156,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "wall_s": round(wall, 3),
         "tokens_per_s": round(completion / wall, 2) if wall > 0 else 0.0,
         "steps": llm.engine.stats.steps,
+        "tokens_per_step": round(metrics["tokens_per_step"], 1),
+        "host_fraction": round(metrics["host_fraction"], 4),
         "preemptions": llm.engine.stats.preemptions,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),

@@ -187,6 +187,8 @@ def test_stats_json_is_consistent(file_run, records):
     expected_rate = stats["completion_tokens"] / stats["wall_s"]
     assert stats["tokens_per_s"] == pytest.approx(expected_rate, rel=0.01, abs=0.05)
     assert stats["model"] == "smollm2-135m"
+    assert stats["steps"] > 0 and 0 < stats["tokens_per_step"] <= 64  # the test config's largest bucket
+    assert 0 < stats["host_fraction"] <= 1
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@
     python tools/bench.py shared-prefix             # 32 requests after one 512-token system prompt: TTFT
     python tools/bench.py host                      # host share of the step wall time at batch 32
     python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
+    python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -195,6 +196,35 @@ def bench_host(args: argparse.Namespace, llm=None) -> None:
                   new_tokens=args.out_len, tok_per_s=round(new / seconds, 1), **step_summary(engine)))
 
 
+# -- gemm: the matmul ceiling of this backend on SmolLM2's shapes ------------------------------------
+def bench_gemm(args: argparse.Namespace) -> None:
+    """30 layers of SmolLM2's MLP (576 -> 2x1536 -> 576) as one jitted chain, at several row counts."""
+    import jax
+    import jax.numpy as jnp
+
+    hidden, inter, layers = 576, 1536, 30
+    up = [jnp.full((hidden, 2 * inter), 1e-3, jnp.float32) for _ in range(layers)]
+    down = [jnp.full((inter, hidden), 1e-3, jnp.float32) for _ in range(layers)]
+
+    @jax.jit
+    def chain(x, up, down):
+        for a, b in zip(up, down, strict=True):
+            h = x @ a
+            x = x + (h[:, :inter] * h[:, inter:]) @ b
+        return x
+
+    for rows in args.rows:
+        x = jnp.ones((rows, hidden), jnp.float32)
+        chain(x, up, down).block_until_ready()
+        start = time.perf_counter()
+        for _ in range(5):
+            chain(x, up, down).block_until_ready()
+        seconds = (time.perf_counter() - start) / 5
+        flops = 2 * rows * layers * (hidden * 2 * inter + inter * hidden)
+        emit(dict(what="xla_gemm_chain", backend=jax.default_backend(), rows=rows, ms=round(1000 * seconds, 1),
+                  gflop_per_s=round(flops / seconds / 1e9, 1)))
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -212,6 +242,8 @@ def main() -> None:
     uniform.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     uniform.add_argument("--in-len", type=int, default=64)
     uniform.add_argument("--out-len", type=int, default=32)
+    gemm = sub.add_parser("gemm")
+    gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host, "all": bench_all}
     for name in workloads:
         w = sub.add_parser(name)
@@ -227,6 +259,8 @@ def main() -> None:
     args = p.parse_args()
     if args.workload == "uniform":
         bench_uniform(args)
+    elif args.workload == "gemm":
+        bench_gemm(args)
     else:
         workloads[args.workload](args)
 
