@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
+from jaxinfer.models.llama import kv_cache_shape
 
 
 class PagedForward:
@@ -21,7 +22,7 @@ class PagedForward:
         cfg = model.config
         self.page_size, self.max_pages = page_size, max_pages
         self.graphdef, self.state = nnx.split(model)
-        shape = (num_pages, cfg.num_kv_heads, page_size, cfg.head_dim)
+        shape = kv_cache_shape(cfg, num_pages, page_size)
         self.caches = tuple(KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
                             for _ in range(cfg.num_layers))
         order = np.random.default_rng(seed).permutation(np.arange(1, num_pages))

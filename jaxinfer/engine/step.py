@@ -32,7 +32,7 @@ from jaxinfer.errors import CompileAfterWarmupError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
-from jaxinfer.models.llama import KV_CACHE_AXES
+from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
 from jaxinfer.parallel import named_sharding
 
 log = logging.getLogger(__name__)
@@ -121,7 +121,7 @@ class ModelRunner:
     # -- device state -----------------------------------------------------------------------
     def _allocate_caches(self, dtype: jnp.dtype) -> tuple[KVCache, ...]:
         m = self.model_cfg
-        shape = (self.cfg.num_pages, m.num_kv_heads, self.cfg.page_size, m.head_dim)
+        shape = kv_cache_shape(m, self.cfg.num_pages, self.cfg.page_size)
         sharding = named_sharding(shape, KV_CACHE_AXES, self.mesh)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return tuple(KVCache(zeros(), zeros()) for _ in range(m.num_layers))

@@ -20,13 +20,18 @@ from jaxinfer.layers.rope import apply_rope, inverse_frequencies
 
 
 class KVCache(NamedTuple):
-    """One layer's page pools, each [num_pages, kv_heads, page_size, head_dim]."""
+    """One layer's page pools, each [kv_heads, num_pages, page_size, head_dim]."""
 
     k: jax.Array
     v: jax.Array
 
 
-KV_CACHE_AXES = ("pages", "kv_heads", "page_slot", "head_dim")
+KV_CACHE_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
+
+
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+    """The shape of one layer's K (or V) page pool, in the order of KV_CACHE_AXES."""
+    return (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
 
 class Attention(nnx.Module):
