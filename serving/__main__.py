@@ -1,0 +1,53 @@
+"""`python -m serving --config configs/serve-smollm2.toml [--host H] [--port P] [--model M]`: run the gRPC server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+
+from jaxinfer.errors import JaxinferError
+from serving.server import InferenceServer, load_configs
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None, help="TOML file with [serve] and [engine] tables")
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None)
+    p.add_argument("--model", default=None)
+    return p.parse_args(argv)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    config, engine_config = load_configs(args.config, host=args.host, port=args.port, model=args.model)
+    logging.getLogger(__name__).info("settings %s", json.dumps(
+        {"serve": dataclasses.asdict(config), "engine": dataclasses.asdict(engine_config)}))
+    server = InferenceServer(config, engine_config)
+    port = await server.start()
+    print(json.dumps({"event": "listening", "host": config.host, "port": port}), flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    load = asyncio.create_task(server.load())
+    await stopping.wait()
+    load.cancel()
+    await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(parse_args(argv)))
+    except JaxinferError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""The gRPC server: settings, start-up (health NOT_SERVING until the model is warm), reflection, shutdown.
+
+    python -m serving --config configs/serve-smollm2.toml [--port 50051] [--host 127.0.0.1]
+
+The `[serve]` table holds the server's settings, the `[engine]` table the engine's (see
+`jaxinfer.config.EngineConfig`); command-line flags override the file. Start-up logs the
+effective settings. The port is bound before the model loads, so health checks answer at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from jaxinfer.config import EngineConfig, load_engine_config
+from jaxinfer.engine.engine import Engine
+from jaxinfer.errors import ConfigError
+from jaxinfer.llm import LLM
+from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
+from serving.service import InferenceService
+from serving.worker import EngineWorker
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = "smollm2-135m"
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0: any free port
+    max_queued: int = 1024  # commands waiting for the engine thread
+    grace_seconds: float = 30.0  # how long in-flight requests may finish on shutdown
+
+    def replace(self, **changes: Any) -> ServeConfig:
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ConfigError(f"unknown serve setting(s): {', '.join(sorted(unknown))}")
+        return dataclasses.replace(self, **changes)
+
+
+def load_configs(path: str | Path | None, **overrides: Any) -> tuple[ServeConfig, EngineConfig]:
+    """The `[serve]` and `[engine]` tables of a TOML file, with non-None overrides applied to `[serve]`."""
+    serve: dict[str, Any] = {}
+    if path is not None:
+        try:
+            serve = tomllib.loads(Path(path).read_text()).get("serve", {})
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML ({exc})") from None
+    serve.update({k: v for k, v in overrides.items() if v is not None})
+    return ServeConfig().replace(**serve), load_engine_config(path)
+
+
+class InferenceServer:
+    """One model behind a gRPC port; `llm` may be given (already loaded) instead of loaded from the config."""
+
+    def __init__(self, config: ServeConfig, engine_config: EngineConfig | None = None, llm: LLM | None = None):
+        self.config, self.engine_config, self.llm = config, engine_config or EngineConfig(), llm
+        self.health = HealthServicer()
+        self.service = InferenceService(config.model)
+        self.worker: EngineWorker | None = None
+        self._server: grpc.aio.Server | None = None  # created in `start`, on the serving event loop
+        self.port = 0
+
+    async def start(self) -> int:
+        """Binds the port and answers health checks at once (NOT_SERVING); returns the port."""
+        self._server = grpc.aio.server()
+        pb_grpc.add_InferenceServicer_to_server(self.service, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"),
+                                            self._server)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self._server.start()
+        log.info("listening on %s:%d (authentication off: local use)", self.config.host, self.port)
+        return self.port
+
+    async def load(self) -> None:
+        """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
+        if self.llm is None:
+            self.llm = await asyncio.to_thread(LLM, self.config.model, self.engine_config)
+        # The worker's own engine: only its thread steps it (`llm.engine` stays free for in-process use).
+        engine = Engine(self.llm.runner, self.llm.tokenizer, self.llm.max_model_len)
+        self.worker = EngineWorker(engine, self.config.max_queued)
+        self.worker.start()
+        self.service.attach(self.llm, self.worker)
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s", self.config.model)
+
+    async def stop(self) -> None:
+        """Refuses new requests, lets in-flight ones finish within the grace period, then stops."""
+        self.service.draining = True
+        await self.health.enter_graceful_shutdown()
+        deadline = asyncio.get_running_loop().time() + self.config.grace_seconds
+        while self.worker is not None and self.worker.num_streams and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        await self._server.stop(grace=1.0)
+        if self.worker is not None:
+            self.worker.stop()
+
+    async def wait(self) -> None:
+        await self._server.wait_for_termination()

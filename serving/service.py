@@ -1,0 +1,161 @@
+"""The `jaxinfer.v1.Inference` servicer: proto messages in, engine requests through the worker, deltas out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import grpc
+import numpy as np
+
+from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
+from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.llm import LLM
+from jaxinfer.tokenizer.tokenizer import GuardReport
+from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
+from serving.worker import Delta, EngineWorker, QueueFull
+
+log = logging.getLogger("jaxinfer.requests")
+
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+DEFAULT_MAX_TOKENS = 128
+
+
+def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
+    """Proto sampling settings -> SamplingParams (which names the field and the limit when one is bad)."""
+    values: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens"):
+        if proto.HasField(name):
+            values[name] = getattr(proto, name)
+    return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
+                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs)
+
+
+def engine_request(llm: LLM, message: pb.GenerateRequest, request_id: str) -> Request:
+    params = sampling_params(message.sampling)
+    kind = message.WhichOneof("prompt")
+    if kind == "text":
+        return llm.request(message.text, params, request_id)
+    if kind == "chat":
+        chat = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+        if not chat:
+            raise RequestError("chat.messages: must not be empty")
+        return llm.chat_request(chat, params, request_id)
+    if kind == "token_ids":
+        if not message.token_ids.ids:
+            raise RequestError("token_ids.ids: must not be empty")
+        return llm.request(list(message.token_ids.ids), params, request_id)
+    if kind == "parts":
+        parts = [p.text if p.WhichOneof("part") == "text" else {"special": p.special} for p in message.parts.parts]
+        if not parts:
+            raise RequestError("parts: must not be empty")
+        return llm.request(parts, params, request_id)
+    raise RequestError("prompt: one of text, chat, token_ids or parts is required")
+
+
+class InferenceService(pb_grpc.InferenceServicer):
+    """Answers UNAVAILABLE until `attach` (the model is loaded and warm) and again once draining."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.llm: LLM | None = None
+        self.worker: EngineWorker | None = None
+        self.draining = False
+
+    def attach(self, llm: LLM, worker: EngineWorker) -> None:
+        self.llm, self.worker = llm, worker
+
+    async def _check_available(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if self.worker is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        await self._check_available(context)
+        request_id = request.request_id or uuid.uuid4().hex
+        started = time.perf_counter()
+        try:
+            engine_req = await asyncio.to_thread(engine_request, self.llm, request, request_id)
+        except (RequestError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        loop = asyncio.get_running_loop()
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        try:
+            stream = self.worker.submit(engine_req, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
+        except QueueFull as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except JaxinferError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        status, final = "cancelled", None
+        try:
+            while True:
+                delta = await deltas.get()
+                if delta.error is not None:
+                    status = "error"
+                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
+                yield self._response(request_id, engine_req, delta)
+                if delta.final is not None:
+                    status, final = "ok", delta.final
+                    return
+        finally:
+            if final is None:
+                self.worker.cancel(stream)  # client cancel, deadline or disconnect: free the pages
+            self._log(request_id, status, final, time.perf_counter() - started)
+
+    @staticmethod
+    def _response(request_id: str, engine_req: Request, delta: Delta) -> pb.GenerateResponse:
+        response = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                                       logprobs=delta.logprobs, forged_tokens=engine_req.forged_tokens)
+        if delta.final is not None:
+            out = delta.final
+            response.finish_reason = FINISH_REASONS[out.finish_reason]
+            response.usage.CopyFrom(pb.Usage(prompt_tokens=out.usage.prompt_tokens,
+                                             completion_tokens=out.usage.completion_tokens,
+                                             cached_tokens=out.usage.cached_tokens))
+        return response
+
+    @staticmethod
+    def _log(request_id: str, status: str, final: RequestOutput | None, seconds: float) -> None:
+        usage = final.usage if final is not None else None
+        log.info(json.dumps({
+            "request_id": request_id, "status": status, "latency_s": round(seconds, 4),
+            "prompt_tokens": usage.prompt_tokens if usage else None,
+            "completion_tokens": usage.completion_tokens if usage else None,
+            "finish_reason": final.finish_reason if final else None}))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        await self._check_available(context)
+        report = GuardReport()
+        try:
+            if request.WhichOneof("input") == "chat":
+                chat = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                ids = self.llm.tokenizer.encode_chat(chat, report=report)
+            else:
+                ids = self.llm.tokenizer.encode_prompt(request.text, report)
+        except (RequestError, ValueError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.TokenizeResponse(token_ids=ids, forged_tokens=report.downgraded)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
+        await self._check_available(context)
+        vocab = self.llm.model_config.vocab_size
+        bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            message = f"token_ids: {bad} is outside the vocabulary [0, {vocab})"
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+        text = self.llm.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        return pb.DetokenizeResponse(text=text)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
+        await self._check_available(context)
+        info = pb.ModelInfo(name=self.model_name, context_length=self.llm.max_model_len,
+                            dtype=np.dtype(self.llm.dtype).name, vocab_size=self.llm.model_config.vocab_size)
+        for axis, size in self.llm.mesh.shape.items():
+            info.mesh[axis] = size
+        return pb.ListModelsResponse(models=[info])
