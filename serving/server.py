@@ -26,9 +26,11 @@ from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.engine import Engine
 from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
+from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 from serving.service import InferenceService
+from serving.tenants import Tenant, TenantBook, parse_tenants
 from serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,13 @@ class ServeConfig:
     port: int = 50051  # 0: any free port
     max_queued: int = 1024  # commands waiting for the engine thread
     grace_seconds: float = 30.0  # how long in-flight requests may finish on shutdown
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = 9090  # Prometheus /metrics; 0: any free port; -1: off
+    auth: bool = False  # require `authorization: Bearer <api key>` of a configured tenant
+    tenants: tuple[Tenant, ...] = ()  # [[serve.tenants]] entries, plus those of tenants_file
+    tenants_file: str = ""  # a TOML file of [[tenants]] entries (keep keys out of the main config)
+    tls_cert: str = ""  # PEM paths; both set: TLS on the gRPC port
+    tls_key: str = ""
 
     def replace(self, **changes: Any) -> ServeConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -62,7 +71,18 @@ def load_configs(path: str | Path | None, **overrides: Any) -> tuple[ServeConfig
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML ({exc})") from None
     serve.update({k: v for k, v in overrides.items() if v is not None})
-    return ServeConfig().replace(**serve), load_engine_config(path)
+    entries = list(serve.pop("tenants", []))
+    if serve.get("tenants_file"):
+        try:
+            entries += tomllib.loads(Path(serve["tenants_file"]).read_text()).get("tenants", [])
+        except (FileNotFoundError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"serve.tenants_file: {exc}") from None
+    config = ServeConfig().replace(**serve, tenants=tuple(parse_tenants(entries)))
+    if config.auth and not config.tenants:
+        raise ConfigError("serve.auth is on but no tenants are configured")
+    if bool(config.tls_cert) != bool(config.tls_key):
+        raise ConfigError("serve.tls_cert and serve.tls_key must be set together")
+    return config, load_engine_config(path)
 
 
 class InferenceServer:
@@ -71,10 +91,12 @@ class InferenceServer:
     def __init__(self, config: ServeConfig, engine_config: EngineConfig | None = None, llm: LLM | None = None):
         self.config, self.engine_config, self.llm = config, engine_config or EngineConfig(), llm
         self.health = HealthServicer()
-        self.service = InferenceService(config.model)
+        self.metrics = ServerMetrics(self._engine_snapshot)
+        self.service = InferenceService(config.model, TenantBook(list(config.tenants), config.auth), self.metrics)
         self.worker: EngineWorker | None = None
         self._server: grpc.aio.Server | None = None  # created in `start`, on the serving event loop
         self.port = 0
+        self.metrics_port: int | None = None
 
     async def start(self) -> int:
         """Binds the port and answers health checks at once (NOT_SERVING); returns the port."""
@@ -85,10 +107,25 @@ class InferenceServer:
                                             self._server)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(self.config.tls_key).read_bytes(), Path(self.config.tls_cert).read_bytes())])
+            self.port = self._server.add_secure_port(address, credentials)
+        else:
+            self.port = self._server.add_insecure_port(address)
         await self._server.start()
-        log.info("listening on %s:%d (authentication off: local use)", self.config.host, self.port)
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+        auth = f"{len(self.config.tenants)} tenants" if self.config.auth else "OFF (local use: no API keys checked)"
+        log.info("listening on %s:%d (TLS %s, authentication %s, metrics port %s)", self.config.host, self.port,
+                 "on" if self.config.tls_cert else "off", auth, self.metrics_port)
         return self.port
+
+    def _engine_snapshot(self) -> tuple[dict[str, float], int] | None:
+        if self.worker is None:
+            return None
+        return self.worker.engine.metrics(), self.llm.runner.num_compiles
 
     async def load(self) -> None:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
@@ -113,6 +150,7 @@ class InferenceServer:
         await self._server.stop(grace=1.0)
         if self.worker is not None:
             self.worker.stop()
+        self.metrics.close()
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -16,8 +17,10 @@ from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
+from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
+from serving.tenants import LimitExceeded, Tenant, TenantBook
 from serving.worker import Delta, EngineWorker, QueueFull
 
 log = logging.getLogger("jaxinfer.requests")
@@ -61,8 +64,8 @@ def engine_request(llm: LLM, message: pb.GenerateRequest, request_id: str) -> Re
 class InferenceService(pb_grpc.InferenceServicer):
     """Answers UNAVAILABLE until `attach` (the model is loaded and warm) and again once draining."""
 
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self, model_name: str, tenants: TenantBook, metrics: ServerMetrics | None = None):
+        self.model_name, self.tenants, self.metrics = model_name, tenants, metrics
         self.llm: LLM | None = None
         self.worker: EngineWorker | None = None
         self.draining = False
@@ -70,43 +73,85 @@ class InferenceService(pb_grpc.InferenceServicer):
     def attach(self, llm: LLM, worker: EngineWorker) -> None:
         self.llm, self.worker = llm, worker
 
-    async def _check_available(self, context: grpc.aio.ServicerContext) -> None:
+    async def _admit_call(self, context: grpc.aio.ServicerContext) -> Tenant:
+        """The caller's tenant, or the call ends: UNAUTHENTICATED, or UNAVAILABLE while loading or draining."""
+        tenant = self.tenants.identify(context.invocation_metadata())
+        if tenant is None:
+            message = "authorization: a valid 'Bearer <api key>' is required"
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
         if self.draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if self.worker is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        return tenant
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        await self._check_available(context)
+        tenant = await self._admit_call(context)
         request_id = request.request_id or uuid.uuid4().hex
         started = time.perf_counter()
         try:
             engine_req = await asyncio.to_thread(engine_request, self.llm, request, request_id)
         except (RequestError, ValueError) as exc:
+            self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        engine_req = dataclasses.replace(engine_req, cache_salt=tenant.cache_salt)
+        cost = len(engine_req.prompt_ids) + engine_req.params.max_tokens
+        try:
+            self.tenants.admit(tenant, cost)
+        except LimitExceeded as exc:
+            self._count("limited")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        try:
+            async for response in self._stream(engine_req, tenant, context, started):
+                yield response
+        finally:
+            self.tenants.release(tenant, cost)
+
+    async def _stream(self, engine_req: Request, tenant: Tenant, context: grpc.aio.ServicerContext, started: float):
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         try:
             stream = self.worker.submit(engine_req, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
         except QueueFull as exc:
+            self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except JaxinferError as exc:
+            self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        status, final = "cancelled", None
+        status, final, last = "cancelled", None, None
         try:
             while True:
                 delta = await deltas.get()
                 if delta.error is not None:
                     status = "error"
                     await context.abort(grpc.StatusCode.INTERNAL, delta.error)
-                yield self._response(request_id, engine_req, delta)
+                last = self._observe_latency(delta, started, last)
+                yield self._response(engine_req.request_id, engine_req, delta)
                 if delta.final is not None:
                     status, final = "ok", delta.final
                     return
         finally:
             if final is None:
                 self.worker.cancel(stream)  # client cancel, deadline or disconnect: free the pages
-            self._log(request_id, status, final, time.perf_counter() - started)
+            self._count(status, final)
+            self._log(engine_req.request_id, tenant.name, status, final, time.perf_counter() - started)
+
+    def _observe_latency(self, delta: Delta, started: float, last: float | None) -> float | None:
+        if self.metrics is None or not delta.token_ids:
+            return last
+        now = time.perf_counter()
+        if last is None:
+            self.metrics.ttft.observe(now - started)
+        else:
+            self.metrics.itl.observe((now - last) / len(delta.token_ids))
+        self.metrics.generation_tokens.inc(len(delta.token_ids))
+        return now
+
+    def _count(self, status: str, final: RequestOutput | None = None) -> None:
+        if self.metrics is not None:
+            self.metrics.requests.labels(status=status).inc()
+            if final is not None:
+                self.metrics.prompt_tokens.inc(final.usage.prompt_tokens)
 
     @staticmethod
     def _response(request_id: str, engine_req: Request, delta: Delta) -> pb.GenerateResponse:
@@ -121,16 +166,16 @@ class InferenceService(pb_grpc.InferenceServicer):
         return response
 
     @staticmethod
-    def _log(request_id: str, status: str, final: RequestOutput | None, seconds: float) -> None:
+    def _log(request_id: str, tenant: str, status: str, final: RequestOutput | None, seconds: float) -> None:
         usage = final.usage if final is not None else None
         log.info(json.dumps({
-            "request_id": request_id, "status": status, "latency_s": round(seconds, 4),
+            "request_id": request_id, "tenant": tenant, "status": status, "latency_s": round(seconds, 4),
             "prompt_tokens": usage.prompt_tokens if usage else None,
             "completion_tokens": usage.completion_tokens if usage else None,
             "finish_reason": final.finish_reason if final else None}))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        await self._check_available(context)
+        await self._admit_call(context)
         report = GuardReport()
         try:
             if request.WhichOneof("input") == "chat":
@@ -143,7 +188,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids, forged_tokens=report.downgraded)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
-        await self._check_available(context)
+        await self._admit_call(context)
         vocab = self.llm.model_config.vocab_size
         bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -153,7 +198,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.DetokenizeResponse(text=text)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        await self._check_available(context)
+        await self._admit_call(context)
         info = pb.ModelInfo(name=self.model_name, context_length=self.llm.max_model_len,
                             dtype=np.dtype(self.llm.dtype).name, vocab_size=self.llm.model_config.vocab_size)
         for axis, size in self.llm.mesh.shape.items():

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import random
+import re
 import threading
 import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -17,6 +21,7 @@ from serving import stubs
 from serving.client import InferenceClient
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.server import SERVICE_NAME, InferenceServer, ServeConfig
+from serving.tenants import Tenant
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +29,9 @@ pytestmark = pytest.mark.slow
 class RunningServer:
     """A real server on a free loopback port, its asyncio loop in a background thread."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, **settings):
         self.loop = asyncio.new_event_loop()
-        self.server = InferenceServer(ServeConfig(port=0), llm=llm)
+        self.server = InferenceServer(ServeConfig(port=0, metrics_port=0, **settings), llm=llm)
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         self.port = self.call(self.server.start())
         self.target = f"127.0.0.1:{self.port}"
@@ -154,3 +159,110 @@ def test_committed_stubs_match_the_proto(tmp_path):
     committed = stubs.REPO / "serving" / "proto" / "jaxinfer" / "v1"
     for name in stubs.GENERATED:
         assert filecmp.cmp(generated / name, committed / name, shallow=False), f"{name}: run python -m serving.stubs"
+
+
+def wait_until_idle(server, pool, seconds: float = 30) -> None:
+    deadline = time.time() + seconds
+    while (server.server.worker.num_streams or pool.num_free != pool.capacity) and time.time() < deadline:
+        time.sleep(0.05)
+
+
+def test_64_concurrent_streams_with_random_cancellations(smollm2_llm, server):
+    prompts = [f"Give one word that rhymes with {w}." for w in ("cat", "tree", "light", "moon")] * 16
+    expected = smollm2_llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    rng = random.Random(0)
+    cancel = {i for i in range(64) if rng.random() < 0.25}
+
+    def run(i: int) -> str | None:
+        with InferenceClient(server.target, timeout=300) as client:
+            call = client.stream(prompts[i], max_tokens=8, temperature=0.0)
+            if i in cancel:
+                next(call)
+                call.cancel()
+                return None
+            return "".join(d.text for d in call)
+
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(run, range(64)))
+    for i, text in enumerate(results):
+        if i not in cancel:
+            assert text == expected[i].text, i
+    wait_until_idle(server, smollm2_llm.runner.pool)
+    assert smollm2_llm.runner.pool.num_free == smollm2_llm.runner.pool.capacity
+
+
+def test_deadline_exceeded_cancels_the_request(smollm2_llm, server):
+    with InferenceClient(server.target, timeout=1.0) as client, pytest.raises(grpc.RpcError) as error:
+        list(client.stream("Write a very long story.", max_tokens=400, temperature=0.0, ignore_eos=True))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until_idle(server, smollm2_llm.runner.pool)
+    assert server.server.worker.num_streams == 0
+    assert smollm2_llm.runner.pool.num_free == smollm2_llm.runner.pool.capacity
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def sample_value(text: str, name: str) -> float:
+    match = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def test_prometheus_metrics_count_requests_latency_and_engine_state(server, client):
+    before = scrape(server.server.metrics_port)
+    ok_before = sample_value(before, 'jaxinfer_requests_total{status="ok"}')
+    for _ in range(2):
+        client.generate("Hello there", max_tokens=3, temperature=0.0, ignore_eos=True)
+    with pytest.raises(grpc.RpcError):
+        client.generate("", max_tokens=3)
+    text = scrape(server.server.metrics_port)
+    assert sample_value(text, 'jaxinfer_requests_total{status="ok"}') == ok_before + 2
+    assert sample_value(text, 'jaxinfer_requests_total{status="invalid"}') >= 1
+    assert sample_value(text, "jaxinfer_time_to_first_token_seconds_count") >= 2
+    assert sample_value(text, "jaxinfer_inter_token_latency_seconds_count") >= 4
+    assert sample_value(text, "jaxinfer_generation_tokens_total") >= 6
+    assert sample_value(text, "jaxinfer_kv_pages_total") == server.server.llm.runner.pool.capacity
+    assert sample_value(text, "jaxinfer_compiles_total") == server.server.llm.runner.num_compiles
+    for name in ("jaxinfer_queue_length", "jaxinfer_running_sequences", "jaxinfer_kv_pages_used",
+                 "jaxinfer_prefix_cache_hit_rate", "jaxinfer_preemptions_total", "jaxinfer_step_seconds_mean",
+                 "jaxinfer_forged_tokens_downgraded_total"):
+        sample_value(text, name)
+
+
+@pytest.fixture(scope="module")
+def secured(smollm2_llm, server):
+    tenants = (Tenant("acme", api_key="key-acme", max_concurrent=1),
+               Tenant("tiny", api_key="key-tiny", max_queued_tokens=20))
+    running = RunningServer(smollm2_llm, auth=True, tenants=tenants)
+    running.call(running.server.load())
+    yield running
+    running.close()
+
+
+def test_api_keys_and_tenant_limits(secured):
+    def call(key: str | None, prompt: str = "Hi", **sampling):
+        metadata = (("authorization", f"Bearer {key}"),) if key else ()
+        request = InferenceClient.request(prompt, **sampling)
+        stub = InferenceClient(secured.target, timeout=120).stub
+        return stub.Generate(request, metadata=metadata, timeout=120)
+
+    for key in (None, "wrong", "key-acm"):
+        with pytest.raises(grpc.RpcError) as error:
+            list(call(key, max_tokens=2))
+        assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert list(call("key-acme", max_tokens=2, temperature=0.0))[-1].usage.completion_tokens == 2
+
+    first = call("key-acme", "Write a long story.", max_tokens=64, temperature=0.0, ignore_eos=True)
+    next(first)  # acme now has one request in flight: its limit
+    with pytest.raises(grpc.RpcError) as error:
+        list(call("key-acme", max_tokens=2))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in error.value.details()
+    first.cancel()
+
+    with pytest.raises(grpc.RpcError) as error:  # prompt plus 30 tokens exceeds tiny's 20 queued tokens
+        list(call("key-tiny", max_tokens=30))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_tokens" in error.value.details()
+    assert list(call("key-tiny", "Hi", max_tokens=2, temperature=0.0))[-1].usage.completion_tokens == 2

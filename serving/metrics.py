@@ -1,0 +1,75 @@
+"""Prometheus metrics of the server, on their own HTTP port: request outcomes, latencies, and the engine's gauges.
+
+Request-level series are recorded by the servicer as requests run; engine series (queue length,
+running sequences, KV pages, prefix hits, preemptions, forged tokens, step time, compiles) are
+read from `Engine.metrics()` at scrape time, so they cost nothing between scrapes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineCollector(Collector):
+    """Turns `Engine.metrics()` (and the runner's compile count) into Prometheus families at scrape time."""
+
+    def __init__(self, read: Callable[[], tuple[dict[str, float], int] | None]):
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        snapshot = self._read()
+        if snapshot is None:  # still loading
+            return
+        m, compiles = snapshot
+        gauges = {
+            "jaxinfer_queue_length": ("requests waiting for admission", m["waiting"]),
+            "jaxinfer_running_sequences": ("sequences in the running batch", m["running"]),
+            "jaxinfer_kv_pages_used": ("KV pages in use", m["total_pages"] - m["free_pages"]),
+            "jaxinfer_kv_pages_total": ("KV pages in the pool", m["total_pages"]),
+            "jaxinfer_prefix_cache_hit_rate": ("prefix-cache hit tokens / queried", m["prefix_hit_rate"]),
+            "jaxinfer_step_seconds_mean": ("mean wall time of an engine step", m["step_ms"] / 1000),
+            "jaxinfer_host_fraction": ("share of step wall time the host was busy", m["host_fraction"]),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "jaxinfer_preemptions": ("sequences preempted for KV pages", m["preemptions"]),
+            "jaxinfer_forged_tokens_downgraded": ("control tokens typed as text", m["forged_tokens_downgraded"]),
+            "jaxinfer_engine_steps": ("engine steps run", m["steps"]),
+            "jaxinfer_prefix_cache_hit_tokens": ("prompt tokens served by the prefix cache", m["prefix_hit_tokens"]),
+            "jaxinfer_compiles": ("step executables compiled (warm-up included)", compiles),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, read_engine: Callable[[], tuple[dict[str, float], int] | None]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("jaxinfer_requests", "Generate requests by final status", ["status"],
+                                registry=self.registry)
+        self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "request arrival to first streamed token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("jaxinfer_inter_token_latency_seconds", "time between streamed tokens",
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prompt_tokens = Counter("jaxinfer_prompt_tokens", "prompt tokens of finished requests",
+                                     registry=self.registry)
+        self.generation_tokens = Counter("jaxinfer_generation_tokens", "tokens streamed", registry=self.registry)
+        self.registry.register(EngineCollector(read_engine))
+        self._http = None
+
+    def serve(self, host: str, port: int) -> int:
+        """Starts the HTTP endpoint (`/metrics`) in a daemon thread; returns its port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_address[1]
+
+    def close(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
