@@ -20,16 +20,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0: any free port, -1: off)")
     return p.parse_args(argv)
 
 
 async def serve(args: argparse.Namespace) -> None:
-    config, engine_config = load_configs(args.config, host=args.host, port=args.port, model=args.model)
+    config, engine_config = load_configs(args.config, host=args.host, port=args.port, model=args.model,
+                                         metrics_port=args.metrics_port)
     logging.getLogger(__name__).info("settings %s", json.dumps(
         {"serve": dataclasses.asdict(config), "engine": dataclasses.asdict(engine_config)}))
     server = InferenceServer(config, engine_config)
     port = await server.start()
-    print(json.dumps({"event": "listening", "host": config.host, "port": port}), flush=True)
+    print(json.dumps({"event": "listening", "host": config.host, "port": port,
+                      "metrics_port": server.metrics_port}), flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -40,8 +43,18 @@ async def serve(args: argparse.Namespace) -> None:
     await server.stop()
 
 
+def configure_logging() -> None:
+    """Human-readable logs on stderr; the per-request log (`jaxinfer.requests`) as one JSON object per line."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+    requests = logging.getLogger("jaxinfer.requests")
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    requests.addHandler(handler)
+    requests.propagate = False
+
+
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging()
     try:
         asyncio.run(serve(parse_args(argv)))
     except JaxinferError as exc:

@@ -266,3 +266,16 @@ def test_api_keys_and_tenant_limits(secured):
         list(call("key-tiny", max_tokens=30))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_queued_tokens" in error.value.details()
     assert list(call("key-tiny", "Hi", max_tokens=2, temperature=0.0))[-1].usage.completion_tokens == 2
+
+
+def test_a_generic_reflection_client_calls_generate_without_stubs(smollm2_llm, server):
+    from grpc_requests import Client  # builds its messages from the server's reflection alone
+
+    expected = smollm2_llm.generate(["The capital of France is"], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    generic = Client.get_by_endpoint(server.target)
+    assert "jaxinfer.v1.Inference" in generic.service_names
+    replies = generic.request("jaxinfer.v1.Inference", "Generate",
+                              {"text": "The capital of France is", "sampling": {"max_tokens": 6, "temperature": 0.0}})
+    replies = list(replies) if not isinstance(replies, dict) else [replies]
+    assert "".join(r.get("text", "") for r in replies) == expected.text
+    assert replies[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")

@@ -1,0 +1,96 @@
+"""`python -m serving` as a real process: health transitions, structured request logs, SIGTERM drain, bad config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from serving.client import InferenceClient
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+CONFIG = """
+[serve]
+model = "smollm2-135m"
+host = "127.0.0.1"
+port = 0
+metrics_port = -1
+grace_seconds = 60
+
+[engine]
+page_size = 8
+num_pages = 512
+max_seqs = 8
+token_buckets = [1, 8, 64]
+compile_guard = "raise"
+"""
+
+
+def health(target: str) -> int | None:
+    with grpc.insecure_channel(target) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        except grpc.RpcError:
+            return None
+
+
+@pytest.fixture()
+def served(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    listening = json.loads(proc.stdout.readline())
+    target = f"127.0.0.1:{listening['port']}"
+    states = [health(target)]
+    deadline = time.time() + 300
+    while states[-1] != health_pb2.HealthCheckResponse.SERVING and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.2)
+        states.append(health(target))
+    yield proc, target, states
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(served):
+    proc, target, states = served
+    assert states[0] == health_pb2.HealthCheckResponse.NOT_SERVING  # answered while loading
+    assert states[-1] == health_pb2.HealthCheckResponse.SERVING
+    with InferenceClient(target, timeout=120) as client:
+        stream = client.stream("Tell me a story about a lighthouse.", max_tokens=48, temperature=0.0,
+                               ignore_eos=True)
+        first = next(stream)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert health(target) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.RpcError) as refused:
+            client.generate("Hi", max_tokens=2)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        rest = list(stream)  # the in-flight request still finishes
+    assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == 48
+    assert rest[-1].finish_reason != 0
+    assert proc.wait(timeout=60) == 0
+    request_logs = [json.loads(line) for line in proc.stderr.read().splitlines() if line.startswith("{")]
+    finished = [r for r in request_logs if r.get("status") == "ok"]
+    assert finished and finished[-1]["completion_tokens"] == 48 and finished[-1]["tenant"] == "local"
+
+
+def test_a_bad_config_exits_2_naming_the_setting(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text('[serve]\nauth = true\nport = 0\n')
+    proc = subprocess.run([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "serve.auth" in proc.stderr and "Traceback" not in proc.stderr
