@@ -28,7 +28,6 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
-from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 from serving.service import InferenceService
 from serving.tenants import Tenant, TenantBook, parse_tenants
 from serving.worker import EngineWorker
@@ -101,7 +100,7 @@ class InferenceServer:
     async def start(self) -> int:
         """Binds the port and answers health checks at once (NOT_SERVING); returns the port."""
         self._server = grpc.aio.server()
-        pb_grpc.add_InferenceServicer_to_server(self.service, self._server)
+        self.service.register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"),
                                             self._server)

@@ -19,8 +19,9 @@ from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
-from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
+from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc  # the servicer base class
 from serving.tenants import LimitExceeded, Tenant, TenantBook
+from serving.wire import Undecodable, lenient
 from serving.worker import Delta, EngineWorker, QueueFull
 
 log = logging.getLogger("jaxinfer.requests")
@@ -73,8 +74,28 @@ class InferenceService(pb_grpc.InferenceServicer):
     def attach(self, llm: LLM, worker: EngineWorker) -> None:
         self.llm, self.worker = llm, worker
 
-    async def _admit_call(self, context: grpc.aio.ServicerContext) -> Tenant:
-        """The caller's tenant, or the call ends: UNAUTHENTICATED, or UNAVAILABLE while loading or draining."""
+    def register(self, server: grpc.aio.Server) -> None:
+        """Adds the service with deserializers that turn an undecodable request into INVALID_ARGUMENT."""
+        methods = {
+            "Generate": (grpc.unary_stream_rpc_method_handler, self.Generate, pb.GenerateRequest, pb.GenerateResponse),
+            "Tokenize": (grpc.unary_unary_rpc_method_handler, self.Tokenize, pb.TokenizeRequest, pb.TokenizeResponse),
+            "Detokenize": (grpc.unary_unary_rpc_method_handler, self.Detokenize, pb.DetokenizeRequest,
+                           pb.DetokenizeResponse),
+            "ListModels": (grpc.unary_unary_rpc_method_handler, self.ListModels, pb.ListModelsRequest,
+                           pb.ListModelsResponse),
+        }
+        handlers = {
+            name: make(method, request_deserializer=lenient(request), response_serializer=response.SerializeToString)
+            for name, (make, method, request, response) in methods.items()
+        }
+        service = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+
+    async def _admit_call(self, context: grpc.aio.ServicerContext, request: object = None) -> Tenant:
+        """The caller's tenant, or the call ends: INVALID_ARGUMENT for an undecodable request,
+        UNAUTHENTICATED, or UNAVAILABLE while loading or draining."""
+        if isinstance(request, Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
         tenant = self.tenants.identify(context.invocation_metadata())
         if tenant is None:
             message = "authorization: a valid 'Bearer <api key>' is required"
@@ -86,7 +107,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return tenant
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        tenant = await self._admit_call(context)
+        tenant = await self._admit_call(context, request)
         request_id = request.request_id or uuid.uuid4().hex
         started = time.perf_counter()
         try:
@@ -175,7 +196,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             "finish_reason": final.finish_reason if final else None}))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        await self._admit_call(context)
+        await self._admit_call(context, request)
         report = GuardReport()
         try:
             if request.WhichOneof("input") == "chat":
@@ -188,7 +209,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids, forged_tokens=report.downgraded)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
-        await self._admit_call(context)
+        await self._admit_call(context, request)
         vocab = self.llm.model_config.vocab_size
         bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -198,7 +219,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.DetokenizeResponse(text=text)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        await self._admit_call(context)
+        await self._admit_call(context, request)
         info = pb.ModelInfo(name=self.model_name, context_length=self.llm.max_model_len,
                             dtype=np.dtype(self.llm.dtype).name, vocab_size=self.llm.model_config.vocab_size)
         for axis, size in self.llm.mesh.shape.items():

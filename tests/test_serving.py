@@ -104,6 +104,8 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(token_ids=pb.TokenIds(ids=[1, 10**9])), "prompt_token_ids"),
         (dict(parts=pb.PromptParts(parts=[pb.PromptPart(special="<|nope|>")])), "nope"),
         (dict(text="word " * 9000), "prompt"),
+        (dict(text="hi", sampling=pb.SamplingParams(max_tokens=10**9)), "max_tokens"),
+        (dict(chat=pb.Messages()), "chat.messages"),
         (dict(), "prompt"),
     ],
 )
@@ -114,6 +116,25 @@ def test_invalid_input_names_the_field_and_the_server_keeps_serving(client, requ
     assert field in error.value.details()
     _, last = client.generate("Hello", max_tokens=2, temperature=0.0)
     assert last.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("raw", "field"),
+    [
+        (b"\x0a\x03\xff\xfeA", "text: invalid UTF-8"),  # field 1 (text), bytes ff fe 41
+        (b"\x12\x0b\x0a\x09\x0a\x04user\x12\x01\xc3", "chat.messages.content: invalid UTF-8"),
+        (b"\x0a\x09", "request"),  # a length running past the end
+    ],
+)
+def test_undecodable_requests_name_the_field(server, client, raw, field):
+    channel = grpc.insecure_channel(server.target)  # raw bytes: no client-side encoding of the request
+    generate = channel.unary_stream("/jaxinfer.v1.Inference/Generate",
+                                    response_deserializer=pb.GenerateResponse.FromString)
+    with pytest.raises(grpc.RpcError) as error:
+        list(generate(raw, timeout=60))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.value.details().startswith(field)
+    assert client.generate("Hello", max_tokens=2, temperature=0.0)[1].usage.completion_tokens == 2
 
 
 def test_cancelled_streams_free_their_pages_and_spare_the_others(smollm2_llm, server):
