@@ -1,10 +1,11 @@
-"""A client for `jaxinfer.v1.Inference`: `InferenceClient` (sync) and `python -m serving.client "prompt"`."""
+"""Clients for `jaxinfer.v1.Inference`: `InferenceClient` (sync), `AsyncInferenceClient`, and
+`python -m serving.client "prompt"` (streams to the terminal)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -16,10 +17,11 @@ Prompt = str | list[int] | list[dict[str, str]]  # text, token ids, or chat mess
 
 
 class InferenceClient:
-    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None):
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str = ""):
         self.channel = grpc.insecure_channel(target)
         self.stub = pb_grpc.InferenceStub(self.channel)
         self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
     def close(self) -> None:
         self.channel.close()
@@ -32,7 +34,7 @@ class InferenceClient:
 
     def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[pb.GenerateResponse]:
         """Streams deltas for a text prompt, token ids, or chat messages ([{"role", "content"}])."""
-        return self.stub.Generate(self.request(prompt, **sampling), timeout=self.timeout)
+        return self.stub.Generate(self.request(prompt, **sampling), timeout=self.timeout, metadata=self.metadata)
 
     def generate(self, prompt: Prompt, **sampling: Any) -> tuple[str, pb.GenerateResponse]:
         """The whole text, and the last message (finish reason, usage)."""
@@ -52,6 +54,37 @@ class InferenceClient:
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, request_id=request_id)
 
 
+class AsyncInferenceClient:
+    """The asyncio counterpart of `InferenceClient` (grpc.aio); use it inside a running event loop."""
+
+    def __init__(self, target: str = "127.0.0.1:50051", timeout: float | None = None, api_key: str = ""):
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = pb_grpc.InferenceStub(self.channel)
+        self.timeout = timeout
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def __aenter__(self) -> AsyncInferenceClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def stream(self, prompt: Prompt, **sampling: Any) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.Generate(InferenceClient.request(prompt, **sampling), timeout=self.timeout,
+                                  metadata=self.metadata)
+        async for response in call:
+            yield response
+
+    async def generate(self, prompt: Prompt, **sampling: Any) -> tuple[str, pb.GenerateResponse]:
+        text, last = [], None
+        async for last in self.stream(prompt, **sampling):
+            text.append(last.text)
+        return "".join(text), last
+
+
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m serving.client", description="Stream a completion to the terminal.")
     p.add_argument("prompt")
@@ -59,9 +92,10 @@ def main() -> None:
     p.add_argument("--chat", action="store_true", help="send the prompt as one user message")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--api-key", default="", help="sent as `authorization: Bearer KEY`")
     args = p.parse_args()
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-    with InferenceClient(args.target) as client:
+    with InferenceClient(args.target, api_key=args.api_key) as client:
         try:
             for delta in client.stream(prompt, max_tokens=args.max_tokens, temperature=args.temperature):
                 sys.stdout.write(delta.text)

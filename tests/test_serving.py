@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from jaxinfer import SamplingParams
 from serving import stubs
-from serving.client import InferenceClient
+from serving.client import AsyncInferenceClient, InferenceClient
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.server import SERVICE_NAME, InferenceServer, ServeConfig
 from serving.tenants import Tenant
@@ -300,3 +300,14 @@ def test_a_generic_reflection_client_calls_generate_without_stubs(smollm2_llm, s
     replies = list(replies) if not isinstance(replies, dict) else [replies]
     assert "".join(r.get("text", "") for r in replies) == expected.text
     assert replies[-1]["finish_reason"] in ("FINISH_REASON_LENGTH", "FINISH_REASON_STOP")
+
+
+def test_async_client_streams_the_same_text(server, client):
+    async def run() -> tuple[str, int]:
+        async with AsyncInferenceClient(server.target, timeout=120) as aclient:
+            text, last = await aclient.generate("Name a fruit.", max_tokens=6, temperature=0.0)
+            return text, last.usage.completion_tokens
+
+    text, completion = asyncio.run(run())
+    sync_text, sync_last = client.generate("Name a fruit.", max_tokens=6, temperature=0.0)
+    assert (text, completion) == (sync_text, sync_last.usage.completion_tokens)

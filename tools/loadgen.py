@@ -1,0 +1,145 @@
+"""Load generator for the gRPC server: Poisson arrivals, concurrent streams; throughput and latency percentiles.
+
+    python tools/loadgen.py --serve configs/serve-smollm2.toml --requests 64 --rate 2 --concurrency 32
+    python tools/loadgen.py --target 127.0.0.1:50051 --requests 200 --rate 8
+
+`--serve CONFIG` starts `python -m serving` with that config on a free port, waits for SERVING,
+runs the load and stops it with SIGTERM; `--target` uses a running server. Requests arrive as a
+Poisson process of `--rate` per second (at most `--concurrency` open streams); prompts are
+random word sequences of `--min-words`..`--max-words` words, each asking for exactly
+`--max-tokens` tokens (EOS ignored, greedy). Prints one JSON object: request throughput, output
+tokens per second, time to first token and inter-token latency percentiles, and errors by status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from serving.client import AsyncInferenceClient  # noqa: E402
+
+WORDS = ("river mountain light story quiet engine paper window garden winter signal market "
+         "silver forest letter bridge morning harbor candle music").split()
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p95": None, "p99": None}
+    data = np.asarray(values)
+    return {f"p{q}": round(float(np.percentile(data, q)), 4) for q in (50, 95, 99)}
+
+
+async def one_request(client: AsyncInferenceClient, prompt: str, max_tokens: int, record: dict) -> None:
+    sent = time.perf_counter()
+    last = None
+    try:
+        async for delta in client.stream(prompt, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
+                                         temperature=0.0):
+            if not delta.token_ids:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                record["ttft"].append(now - sent)
+            else:
+                record["itl"].extend([(now - last) / len(delta.token_ids)] * len(delta.token_ids))
+            last = now
+            record["tokens"] += len(delta.token_ids)
+        record["ok"] += 1
+    except grpc.aio.AioRpcError as exc:
+        record["errors"][exc.code().name] = record["errors"].get(exc.code().name, 0) + 1
+
+
+async def run_load(args: argparse.Namespace, target: str) -> dict:
+    rng = random.Random(args.seed)
+    record = {"ttft": [], "itl": [], "tokens": 0, "ok": 0, "errors": {}}
+    gate = asyncio.Semaphore(args.concurrency)
+
+    async def gated(prompt: str) -> None:
+        async with gate:
+            await one_request(client, prompt, args.max_tokens, record)
+
+    async with AsyncInferenceClient(target, timeout=args.timeout, api_key=args.api_key) as client:
+        start = time.perf_counter()
+        tasks = []
+        for _ in range(args.requests):
+            words = rng.randint(args.min_words, args.max_words)
+            tasks.append(asyncio.create_task(gated(" ".join(rng.choice(WORDS) for _ in range(words)))))
+            await asyncio.sleep(rng.expovariate(args.rate))
+        await asyncio.gather(*tasks)
+        wall = time.perf_counter() - start
+    return {
+        "what": "loadgen", "target": target, "requests": args.requests, "rate_per_s": args.rate,
+        "concurrency": args.concurrency, "max_tokens": args.max_tokens, "wall_s": round(wall, 2),
+        "ok": record["ok"], "errors": record["errors"],
+        "requests_per_s": round(record["ok"] / wall, 3), "output_tokens_per_s": round(record["tokens"] / wall, 1),
+        "ttft_s": percentiles(record["ttft"]), "itl_s": percentiles(record["itl"]),
+    }
+
+
+def start_server(config: str) -> tuple[subprocess.Popen, str]:
+    """Starts the server (its log in a temporary file) and waits until health says SERVING."""
+    command = [sys.executable, "-m", "serving", "--config", config, "--port", "0", "--metrics-port", "-1"]
+    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
+                                env=dict(os.environ))
+    listening = json.loads(proc.stdout.readline())
+    target = f"127.0.0.1:{listening['port']}"
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.time() + 600
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited; its log: {log.name}")
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
+            if status == health_pb2.HealthCheckResponse.SERVING:
+                return proc, target
+            time.sleep(0.5)
+    raise SystemExit("the server did not become ready")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--target", help="host:port of a running server")
+    where.add_argument("--serve", help="start `python -m serving --config SERVE` for the run")
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--rate", type=float, default=2.0, help="mean arrivals per second (Poisson)")
+    p.add_argument("--concurrency", type=int, default=32, help="most streams open at once")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--min-words", type=int, default=8)
+    p.add_argument("--max-words", type=int, default=120)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--api-key", default="")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    proc = None
+    target = args.target
+    if args.serve:
+        proc, target = start_server(args.serve)
+    try:
+        print(json.dumps(asyncio.run(run_load(args, target))), flush=True)
+    finally:
+        if proc is not None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+
+
+if __name__ == "__main__":
+    main()
