@@ -20,6 +20,7 @@ from jaxinfer import SamplingParams
 from serving import stubs
 from serving.client import AsyncInferenceClient, InferenceClient
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 from serving.server import SERVICE_NAME, InferenceServer, ServeConfig
 from serving.tenants import Tenant
 
@@ -311,3 +312,47 @@ def test_async_client_streams_the_same_text(server, client):
     text, completion = asyncio.run(run())
     sync_text, sync_last = client.generate("Name a fruit.", max_tokens=6, temperature=0.0)
     assert (text, completion) == (sync_text, sync_last.usage.completion_tokens)
+
+
+def self_signed(tmp_path) -> tuple[str, str, bytes]:
+    """A throwaway certificate for 127.0.0.1 and its key, written as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxinfer-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    key_path, cert_path = tmp_path / "key.pem", tmp_path / "cert.pem"
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    cert_path.write_bytes(cert_pem)
+    return str(cert_path), str(key_path), cert_pem
+
+
+def test_tls_serves_secure_channels_only(smollm2_llm, server, tmp_path):
+    cert, key, cert_pem = self_signed(tmp_path)
+    running = RunningServer(smollm2_llm, tls_cert=cert, tls_key=key)
+    try:
+        running.call(running.server.load())
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert_pem)
+        with grpc.secure_channel(running.target, credentials) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            replies = list(stub.Generate(InferenceClient.request("Hi", max_tokens=2, temperature=0.0), timeout=60))
+        assert replies[-1].usage.completion_tokens == 2
+        with pytest.raises(grpc.RpcError) as plain:
+            InferenceClient(running.target, timeout=10).generate("Hi", max_tokens=2)
+        assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        running.close()
