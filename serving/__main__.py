@@ -38,9 +38,17 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     load = asyncio.create_task(server.load())
+    load.add_done_callback(lambda task: task.cancelled() or task.exception() is None or stopping.set())
     await stopping.wait()
+    if load.done() and not load.cancelled() and load.exception() is not None:
+        await server.stop()
+        raise LoadFailed(f"loading {config.model} failed: {load.exception()}")
     load.cancel()
     await server.stop()
+
+
+class LoadFailed(JaxinferError):
+    """The model could not be loaded; the server exits with code 2."""
 
 
 def configure_logging() -> None:

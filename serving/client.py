@@ -75,8 +75,11 @@ class AsyncInferenceClient:
     async def stream(self, prompt: Prompt, **sampling: Any) -> AsyncIterator[pb.GenerateResponse]:
         call = self.stub.Generate(InferenceClient.request(prompt, **sampling), timeout=self.timeout,
                                   metadata=self.metadata)
-        async for response in call:
-            yield response
+        try:
+            async for response in call:
+                yield response
+        finally:  # a caller that stops reading early must not leave the server generating
+            call.cancel()
 
     async def generate(self, prompt: Prompt, **sampling: Any) -> tuple[str, pb.GenerateResponse]:
         text, last = [], None

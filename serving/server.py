@@ -130,7 +130,8 @@ class InferenceServer:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
         if self.llm is None:
             self.llm = await asyncio.to_thread(LLM, self.config.model, self.engine_config)
-        # The worker's own engine: only its thread steps it (`llm.engine` stays free for in-process use).
+        # The worker's own engine: only its thread steps it. It shares the runner (device caches, page
+        # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = Engine(self.llm.runner, self.llm.tokenizer, self.llm.max_model_len)
         self.worker = EngineWorker(engine, self.config.max_queued)
         self.worker.start()
@@ -144,7 +145,7 @@ class InferenceServer:
         self.service.draining = True
         await self.health.enter_graceful_shutdown()
         deadline = asyncio.get_running_loop().time() + self.config.grace_seconds
-        while self.worker is not None and self.worker.num_streams and asyncio.get_running_loop().time() < deadline:
+        while self.service.active and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         await self._server.stop(grace=1.0)
         if self.worker is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +23,7 @@ from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc  # the servicer base class
 from serving.tenants import LimitExceeded, Tenant, TenantBook
 from serving.wire import Undecodable, lenient
-from serving.worker import Delta, EngineWorker, QueueFull
+from serving.worker import Delta, EngineWorker, QueueFull, WorkerDead
 
 log = logging.getLogger("jaxinfer.requests")
 
@@ -70,6 +71,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.llm: LLM | None = None
         self.worker: EngineWorker | None = None
         self.draining = False
+        self.active = 0  # Generate calls admitted and not yet ended
 
     def attach(self, llm: LLM, worker: EngineWorker) -> None:
         self.llm, self.worker = llm, worker
@@ -108,6 +110,15 @@ class InferenceService(pb_grpc.InferenceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         tenant = await self._admit_call(context, request)
+        self.active += 1  # counted from admission, so a drain waits for requests still being tokenized
+        try:
+            async with contextlib.aclosing(self._admitted(request, tenant, context)) as responses:
+                async for response in responses:
+                    yield response
+        finally:
+            self.active -= 1
+
+    async def _admitted(self, request: pb.GenerateRequest, tenant: Tenant, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
         started = time.perf_counter()
         try:
@@ -122,17 +133,26 @@ class InferenceService(pb_grpc.InferenceServicer):
         except LimitExceeded as exc:
             self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        try:
-            async for response in self._stream(engine_req, tenant, context, started):
-                yield response
+        try:  # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
+            async with contextlib.aclosing(self._stream(engine_req, tenant, context, started)) as responses:
+                async for response in responses:
+                    yield response
         finally:
             self.tenants.release(tenant, cost)
 
     async def _stream(self, engine_req: Request, tenant: Tenant, context: grpc.aio.ServicerContext, started: float):
         loop = asyncio.get_running_loop()
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
+
+        def deliver(delta: Delta) -> None:  # on the worker thread; a closed loop means nobody listens
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(deltas.put_nowait, delta)
+
         try:
-            stream = self.worker.submit(engine_req, lambda d: loop.call_soon_threadsafe(deltas.put_nowait, d))
+            stream = self.worker.submit(engine_req, deliver)
+        except WorkerDead as exc:
+            self._count("error")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFull as exc:
             self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))

@@ -49,24 +49,25 @@ class _Stream:
     sent_text: str = ""
     holdback: int = 0
     pending_text: str = ""  # decoded but held back (could be the start of a stop string)
-
-
-@dataclass
-class _Command:
-    kind: str  # add | abort
-    stream: _Stream
+    cancelled: bool = False
 
 
 class QueueFull(JaxinferError):
-    """The worker's command queue is at its bound."""
+    """The worker's queue of new requests is at its bound."""
+
+
+class WorkerDead(JaxinferError):
+    """The engine thread stopped on an unexpected error; the server cannot take requests."""
 
 
 class EngineWorker:
     def __init__(self, engine: Engine, max_queued: int = 1024):
         self.engine = engine
-        self._commands: queue.Queue[_Command] = queue.Queue(maxsize=max_queued)
+        self._adds: queue.Queue[_Stream] = queue.Queue(maxsize=max_queued)
+        self._aborts: queue.SimpleQueue[_Stream] = queue.SimpleQueue()  # unbounded: cancel never blocks
         self._streams: dict[int, _Stream] = {}
         self._stop = threading.Event()
+        self.dead: str | None = None  # why the engine thread stopped, if it did
         self._thread = threading.Thread(target=self._run, name="jaxinfer-engine", daemon=True)
 
     def start(self) -> None:
@@ -83,58 +84,71 @@ class EngineWorker:
     # -- called from other threads ----------------------------------------------------------
     def submit(self, request: Request, deliver: Callable[[Delta], None]) -> _Stream:
         """Queues a validated request; its deltas go to `deliver` (called on the worker thread)."""
+        if self.dead is not None:
+            raise WorkerDead(f"the engine stopped: {self.dead}")
         self.engine.validate(request.prompt_ids, request.params)
         stream = _Stream(request, deliver)
         try:
-            self._commands.put_nowait(_Command("add", stream))
+            self._adds.put_nowait(stream)
         except queue.Full:
-            raise QueueFull(f"engine queue: {self._commands.maxsize} commands pending, the limit") from None
+            raise QueueFull(f"engine queue: {self._adds.maxsize} requests waiting, the limit") from None
         return stream
 
     def cancel(self, stream: _Stream) -> None:
-        """Cancels a submitted request; its pages are freed before the next step."""
-        self._commands.put(_Command("abort", stream))
+        """Cancels a submitted request without blocking; its pages are freed before the next step."""
+        stream.cancelled = True
+        self._aborts.put(stream)
 
     # -- the worker thread -------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            self._apply_commands(block=not busy)
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                finished = self.engine.step()
-            except Exception as exc:  # the step failed: end every stream rather than hang them
-                log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {exc}")
-                continue
-            self._publish(finished)
-
-    def _apply_commands(self, block: bool) -> None:
         try:
-            command = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
-        except queue.Empty:
+            while not self._stop.is_set():
+                self._take_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    self._step()
+        except Exception as exc:  # a bug outside the step: end every stream rather than leave them hanging
+            log.exception("engine thread stopped")
+            self.dead = f"{type(exc).__name__}: {exc}"
+            self._fail_all(f"engine thread stopped: {self.dead}")
+
+    def _step(self) -> None:
+        try:
+            finished = self.engine.step()
+        except Exception as exc:  # the step failed: end every stream rather than hang them
+            log.exception("engine step failed")
+            self._fail_all(f"engine step failed: {exc}")
             return
-        while True:
-            self._apply(command)
+        self._publish(finished)
+
+    def _take_commands(self, block: bool) -> None:
+        try:
+            first = self._adds.get(timeout=0.05) if block else self._adds.get_nowait()
+            self._add(first)
+            while True:
+                self._add(self._adds.get_nowait())
+        except queue.Empty:
+            pass
+        while True:  # after the adds: a cancel may refer to a request added just now
             try:
-                command = self._commands.get_nowait()
+                self._abort(self._aborts.get_nowait())
             except queue.Empty:
                 return
 
-    def _apply(self, command: _Command) -> None:
-        stream = command.stream
-        if command.kind == "add":
-            try:
-                stream.seq = self.engine.add_request(stream.request)
-            except JaxinferError as exc:
-                stream.deliver(Delta("", [], [], error=str(exc)))
-                return
-            stop = stream.request.params.stop
-            stream.holdback = max((len(s) for s in stop), default=1) - 1
-            stream.detokenizer = IncrementalDetokenizer(self.engine.tokenizer)
-            self._streams[stream.seq.index] = stream
-        elif command.kind == "abort" and stream.seq is not None and stream.seq.index in self._streams:
+    def _add(self, stream: _Stream) -> None:
+        if stream.cancelled:
+            return
+        try:
+            stream.seq = self.engine.add_request(stream.request)
+        except JaxinferError as exc:
+            stream.deliver(Delta("", [], [], error=str(exc)))
+            return
+        stop = stream.request.params.stop
+        stream.holdback = max((len(s) for s in stop), default=1) - 1
+        stream.detokenizer = IncrementalDetokenizer(self.engine.tokenizer)
+        self._streams[stream.seq.index] = stream
+
+    def _abort(self, stream: _Stream) -> None:
+        if stream.seq is not None and self._streams.get(stream.seq.index) is stream:
             del self._streams[stream.seq.index]
             self.engine.abort(stream.seq.index)
 
@@ -171,11 +185,17 @@ class EngineWorker:
             text = final.text[len(stream.sent_text) :]
         else:  # the incremental text diverged from the full decode (byte-fallback edge cases)
             log.warning("request %s: streamed text differs from the final decode", final.request_id)
-            text = ""
+            sent, full = stream.sent_text, final.text
+            pairs = enumerate(zip(sent, full, strict=False))
+            common = next((i for i, (a, b) in pairs if a != b), min(len(sent), len(full)))
+            text = full[common:]  # the rest from where they diverged: a client sees the difference
         return Delta(text, tokens, logprobs if stream.request.params.logprobs else [], final=final)
 
     def _fail_all(self, message: str) -> None:
-        for index, stream in list(self._streams.items()):
-            self.engine.abort(index)
-            stream.deliver(Delta("", [], [], error=message))
-        self._streams.clear()
+        streams, self._streams = list(self._streams.items()), {}
+        for index, stream in streams:
+            try:
+                self.engine.abort(index)
+                stream.deliver(Delta("", [], [], error=message))
+            except Exception:  # the event loop may be closed already; keep failing the others
+                log.exception("could not fail request %d", index)

@@ -125,3 +125,24 @@ def test_metrics_report_queues_pages_prefix_hits_and_step_times(smollm2_llm):
     assert 0 < after["prefix_hit_rate"] < 1
     assert after["tokens_per_step"] == after["tokens_scheduled"] / after["steps"]
     assert 0 < after["host_ms_per_step"] <= after["step_ms"] and 0 < after["host_fraction"] <= 1
+
+
+def test_an_error_inside_generate_spares_requests_added_step_by_step(smollm2_llm):
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    other = smollm2_llm.request("Describe the sea in one sentence.", params)
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len)
+    want = engine.generate([other])[0].token_ids
+    engine.add_request(other)
+    engine.step()
+    engine.step()  # `other` is decoding, with an id in flight
+
+    def failing_callback(out: RequestOutput) -> None:
+        raise RuntimeError("the caller's callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        engine.generate([smollm2_llm.request("Hi", SamplingParams(max_tokens=1))], on_finish=failing_callback)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.token_ids for o in outputs] == [want]
+    assert engine.pool.num_free == engine.pool.capacity

@@ -94,3 +94,12 @@ def test_a_bad_config_exits_2_naming_the_setting(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "serve.auth" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_model_that_fails_to_load_exits_2_naming_it(tmp_path):
+    config = tmp_path / "serve.toml"
+    config.write_text('[serve]\nmodel = "nope-1b"\nport = 0\nmetrics_port = -1\n')
+    proc = subprocess.run([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "nope-1b" in proc.stderr and "Traceback" not in proc.stderr.split("error:")[-1]

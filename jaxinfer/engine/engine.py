@@ -113,11 +113,20 @@ class Engine:
                     if on_finish:
                         on_finish(out)
         except BaseException:
+            self._discard_inflight()
             for seq in sequences:  # an error mid-run must not leak pages or leave requests queued
                 self.abort(seq.index)
-            self._inflight = None
             raise
         return [outputs[seq.index] for seq in sequences]
+
+    def _discard_inflight(self) -> None:
+        """Forgets the step in flight; its sequences will recompute their last token and sample again
+        (the same id: sampling keys depend only on the seed and the count of generated tokens)."""
+        step, self._inflight = self._inflight, None
+        for chunk in step.chunks if step is not None else ():
+            if chunk.samples:
+                chunk.seq.inflight -= 1
+                chunk.seq.num_computed = min(chunk.seq.num_computed, chunk.seq.num_tokens - 1)
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: running, waiting, preemptions, free pages, prefix hits, per-step times."""
