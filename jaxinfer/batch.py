@@ -206,7 +206,7 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+                        format="%(levelname)s %(name)s: %(message)s", force=True)  # orbax adds a root handler on import
     try:
         summary = run(args)
     except JaxinferError as exc:

@@ -95,7 +95,7 @@ def model_args(workdir: Path, output: str) -> list[str]:
 @pytest.fixture(scope="module")
 def file_run(workdir):
     out, stats = workdir / "out.jsonl", workdir / "stats.json"
-    proc = batch(*model_args(workdir, str(out)), "--stats-json", str(stats))
+    proc = batch(*model_args(workdir, str(out)), "--stats-json", str(stats), "--verbose")
     assert proc.returncode == 0, proc.stderr
     return proc, out, stats
 
@@ -131,6 +131,7 @@ def test_one_output_line_per_input_line_in_order(file_run, records):
     assert not out.with_name(out.name + ".tmp").exists()
     assert "Traceback" not in proc.stderr
     assert f"{len(NON_BLANK)} requests ({len(BAD)} errors)" in proc.stderr
+    assert "INFO jaxinfer.llm: loaded smollm2-135m" in proc.stderr  # --verbose logs reach stderr
 
 
 @pytest.mark.slow
