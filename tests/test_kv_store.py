@@ -1,0 +1,95 @@
+"""The L3 page store on real tensorstore kvstores: round trips, model identity, damage, TTL, restart, ocdbt."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxinfer.kv.prefix_cache import chain_keys
+from jaxinfer.kv.store import ModelIdentity, PageStore
+
+IDENTITY = ModelIdentity("smollm2-135m:sha-test", "float32", page_size=8, num_layers=30, num_kv_heads=3, head_dim=64)
+SHAPE = (IDENTITY.num_layers, 2, IDENTITY.num_kv_heads, IDENTITY.page_size, IDENTITY.head_dim)
+
+
+def page(seed: int, dtype=np.float32) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(SHAPE).astype(dtype)
+
+
+KEYS = chain_keys(list(range(40)), 8)  # five real prefix-cache keys
+
+
+def value_file(root: Path, store: PageStore, key: bytes) -> Path:
+    return root / IDENTITY.digest() / key.hex()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_pages_round_trip_exactly(tmp_path, dtype):
+    store = PageStore(str(tmp_path), IDENTITY)
+    for i, key in enumerate(KEYS):
+        store.put(key, page(i, dtype))
+    for i, key in enumerate(KEYS):
+        got = store.get(key)
+        assert got.dtype == np.dtype(dtype) and np.array_equal(got.view(np.uint8), page(i, dtype).view(np.uint8))
+    assert sorted(store.keys()) == sorted(KEYS)
+    assert store.get(chain_keys(list(range(8)), 8, salt="other")[0]) is None
+    assert (store.stats.hits, store.stats.misses, store.stats.writes) == (5, 1, 5)
+
+
+def test_another_model_or_layout_never_sees_the_pages(tmp_path):
+    PageStore(str(tmp_path), IDENTITY).put(KEYS[0], page(0))
+    for change in (dict(checkpoint="other"), dict(dtype="bfloat16"), dict(page_size=16)):
+        other = ModelIdentity(**{**IDENTITY.__dict__, **change})
+        assert PageStore(str(tmp_path), other).get(KEYS[0]) is None
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+def test_damaged_values_are_dropped_and_reported_as_misses(tmp_path, damage):
+    store = PageStore(str(tmp_path), IDENTITY)
+    store.put(KEYS[1], page(1))
+    path = value_file(tmp_path, store, KEYS[1])
+    raw = bytearray(path.read_bytes())
+    if damage == "flip":
+        raw[-100] ^= 0x01
+    elif damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    else:
+        raw = bytearray(b"not a page at all")
+    path.write_bytes(bytes(raw))
+    assert store.get(KEYS[1]) is None
+    assert store.stats.corrupt == 1 and not path.exists()  # deleted, so it is recomputed and rewritten
+
+
+def test_ttl_expires_and_sweep_removes(tmp_path):
+    store = PageStore(str(tmp_path), IDENTITY, ttl_seconds=60)
+    store.put(KEYS[0], page(0), now=1_000.0)  # long ago
+    store.put(KEYS[1], page(1))
+    assert store.get(KEYS[0]) is None and store.get(KEYS[1]) is not None
+    assert store.sweep() == 1
+    assert store.keys() == [KEYS[1]]
+
+
+def test_a_new_process_reads_pages_written_by_an_earlier_one(tmp_path):
+    PageStore(str(tmp_path), IDENTITY).put(KEYS[2], page(2))
+    child = f"""
+import numpy as np, sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from test_kv_store import IDENTITY, KEYS, page
+from jaxinfer.kv.store import PageStore
+got = PageStore({str(tmp_path)!r}, IDENTITY).get(KEYS[2])
+print(np.array_equal(got, page(2)))
+"""
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "True", proc.stderr
+
+
+def test_ocdbt_over_file_works_through_a_url(tmp_path):
+    store = PageStore(f"file://{tmp_path}/kv/|ocdbt:", IDENTITY)
+    store.put(KEYS[3], page(3))
+    again = PageStore(f"file://{tmp_path}/kv/|ocdbt:", IDENTITY)
+    assert np.array_equal(again.get(KEYS[3]), page(3)) and again.keys() == [KEYS[3]]
