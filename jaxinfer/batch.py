@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
 
@@ -54,6 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-seqs", type=int, default=None)
     p.add_argument("--num-pages", type=int, default=None)
     p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--kv-store", default=None, help="L3 KV tier: a path or tensorstore kvstore URL; pages persist "
+                   "across runs (written at the end of the run and on eviction)")
+    p.add_argument("--kv-host-pages", type=int, default=None, help="L2 KV tier: evicted pages kept in host memory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with _open_input(args.input) as stream:
         jobs = read_jobs(stream, defaults)
     overrides = {"dtype": args.dtype, "max_seqs": args.max_seqs, "num_pages": args.num_pages,
-                 "page_size": args.page_size}
+                 "page_size": args.page_size, "kv_store": args.kv_store, "kv_host_pages": args.kv_host_pages}
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
     start = time.perf_counter()
     engine, job_of = llm.engine, {}
@@ -143,6 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bar.close()
     outputs = list(results.values())
     wall = time.perf_counter() - start
+    engine.persist_prefix_cache()  # with an L3 store, a later run reuses this run's prefix pages
     _write_output(args.output, jobs, results)
     completion = sum(o.usage.completion_tokens for o in outputs)
     metrics = llm.engine.metrics()
@@ -152,6 +157,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "prompt_tokens": sum(o.usage.prompt_tokens for o in outputs),
         "completion_tokens": completion,
         "cached_prompt_tokens": sum(o.usage.cached_tokens for o in outputs),
+        **cached_by_tier(sum(o.usage.cached_tokens for o in outputs), llm.engine.stats),
         "forged_tokens_downgraded": llm.engine.stats.forged_tokens_downgraded,
         "wall_s": round(wall, 3),
         "tokens_per_s": round(completion / wall, 2) if wall > 0 else 0.0,
@@ -163,6 +169,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_s": round(llm.warmup_seconds, 3),
         "model": str(args.model),
     }
+
+
+def cached_by_tier(cached: int, stats: EngineStats) -> dict[str, int]:
+    """Cached prompt tokens split by the tier they came from (device pages, host memory, the store)."""
+    l2, l3 = stats.prefix_hit_tokens_l2, stats.prefix_hit_tokens_l3
+    return {"cached_tokens_l1": cached - l2 - l3, "cached_tokens_l2": l2, "cached_tokens_l3": l3}
 
 
 def _open_input(path: str) -> TextIO:

@@ -18,12 +18,14 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.step import ModelRunner
 from jaxinfer.errors import RequestError
+from jaxinfer.kv.store import ModelIdentity, PageStore
+from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.layers.attention import make_backend
 from jaxinfer.parallel import make_mesh
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.loader import load_model
-from jaxinfer.weights.registry import resolve
+from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
 
 log = logging.getLogger(__name__)
 
@@ -69,9 +71,23 @@ class LLM:
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)
         self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)
-        self.engine = Engine(self.runner, self.tokenizer, self.max_model_len)
+        self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, tiers=self._kv_tiers(checkpoint))
         self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
+
+    def _kv_tiers(self, checkpoint: ResolvedCheckpoint) -> TieredPages | None:
+        """L2/L3 for evicted prefix pages, from `kv_host_pages` and `kv_store` (None when both are off)."""
+        cfg, m = self.config, self.model_config
+        if not cfg.kv_host_pages and not cfg.kv_store:
+            return None
+        store = None
+        if cfg.kv_store:
+            stat = Path(checkpoint.path).stat()  # name, size and mtime: a changed checkpoint is another model
+            source = f"{checkpoint.name}:{stat.st_size}:{int(stat.st_mtime)}"
+            identity = ModelIdentity(source, jnp.dtype(self.dtype).name, cfg.page_size, m.num_layers,
+                                     m.num_kv_heads, m.head_dim)
+            store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds)
+        return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store)
 
     def encode(self, prompt: Prompt, report: GuardReport | None = None) -> list[int]:
         if isinstance(prompt, str):

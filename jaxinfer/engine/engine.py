@@ -34,6 +34,7 @@ from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
+from jaxinfer.kv.tiers import TieredPages
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -57,6 +58,7 @@ class Engine:
         max_model_len: int,
         prefix_caching: bool | None = None,
         async_scheduling: bool | None = None,
+        tiers: TieredPages | None = None,
     ):
         """Engines on one runner share its page pool (the device pages); the flags override the config."""
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
@@ -66,6 +68,9 @@ class Engine:
         caching = self.cfg.prefix_caching if prefix_caching is None else prefix_caching
         self.stats = EngineStats()
         self.scheduler = Scheduler(self.cfg, self.pool, max_model_len, caching, self.stats)
+        if tiers is not None:  # evicted prefix pages go down to L2/L3 (for every engine on the runner)
+            runner.tiers, self.pool.track_evictions = tiers, True
+        self.scheduler.tiers = runner.tiers  # and come back on a hit
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1
         self._inflight: _InflightStep | None = None
@@ -157,11 +162,16 @@ class Engine:
         started = time.perf_counter()
         waited = 0.0
         finished: list[RequestOutput] = []
+        if self.scheduler.tiers is not None:
+            self.flush_tiers()  # pages evicted since the last step (by another engine, or a test) go down first
         chunks = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
+        self._write_restored_pages()  # the step's own dispatch first copies out the pages evicted now
         launched = self._launch(chunks) if chunks else None
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             waited += self._process(previous, finished)
+        if self.scheduler.tiers is not None:
+            self.runner.demote_copied_pages()
         if not self.async_scheduling and self._inflight is not None:
             launched, self._inflight = self._inflight, None
             waited += self._process(launched, finished)
@@ -181,6 +191,27 @@ class Engine:
         seq.finish_reason = "abort"
         self.stats.aborted += 1
         return self._output(seq)
+
+    # -- KV tiers ----------------------------------------------------------------------------
+    def flush_tiers(self) -> None:
+        """Demotes every page evicted so far to the lower tiers now (waits for their copies)."""
+        self._write_restored_pages()
+        self.runner.copy_evicted_pages()
+        self.runner.demote_copied_pages()
+
+    def persist_prefix_cache(self) -> None:
+        """Moves every cached page no request uses down to L3 (when there is one), e.g. before exit."""
+        if self.scheduler.tiers is None or self.scheduler.tiers.store is None:
+            return
+        with self.pool.hold(keep_free=0):  # evicts every cached page that no sequence holds
+            self.flush_tiers()
+        self.scheduler.tiers.persist()
+
+    def _write_restored_pages(self) -> None:
+        """Writes the pages the scheduler restored from L2/L3 into their device pages (before the step)."""
+        imports, self.scheduler.imports = self.scheduler.imports, []
+        if imports:
+            self.runner.import_pages([page for page, _ in imports], np.stack([data for _, data in imports]))
 
     # -- requests ----------------------------------------------------------------------------
     def _record_guard(self, request: Request) -> None:

@@ -16,7 +16,9 @@ class EngineStats:
     host_seconds: float = 0.0  # of which the host was busy (scheduling, batch building, post-processing)
     forged_tokens_downgraded: int = 0
     prefix_queried_tokens: int = 0
-    prefix_hit_tokens: int = 0
+    prefix_hit_tokens: int = 0  # all tiers
+    prefix_hit_tokens_l2: int = 0  # of which restored from host memory
+    prefix_hit_tokens_l3: int = 0  # of which restored from the tensorstore tier
     aborted: int = 0
     discarded_samples: int = 0  # ids sampled for a sequence that had finished meanwhile (overlap's cost)
 

@@ -23,10 +23,13 @@ import logging
 import math
 from collections import deque
 
+import numpy as np
+
 from jaxinfer.config import EngineConfig
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
+from jaxinfer.kv.tiers import TieredPages
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +44,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._pending: dict[bytes, Sequence] = {}  # page key -> the running sequence that will compute it
         self._arrivals = 0
+        self.tiers: TieredPages | None = None  # L2/L3 below the device pool (kv/tiers.py)
+        self.imports: list[tuple[int, np.ndarray]] = []  # restored pages the engine writes before the step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -139,6 +144,8 @@ class Scheduler:
         keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.request.cache_salt)
         usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
         pages = self.pool.lookup(keys[:usable])
+        restored = self._restore(keys[len(pages) : usable])
+        pages += restored
         owner = self._pending.get(keys[len(pages)]) if len(pages) < usable else None
         if owner is not None and owner is not seq:
             self.pool.free(pages)
@@ -150,6 +157,28 @@ class Scheduler:
             self.stats.prefix_queried_tokens += len(seq.prompt_ids)
             self.stats.prefix_hit_tokens += seq.cached_tokens
         return True
+
+    def _restore(self, keys: list[bytes]) -> list[int]:
+        """Continues a prefix hit in the lower tiers: each page found gets a device page and is registered.
+
+        The page's content is queued in `imports`; the engine writes it before the next step. The
+        pages are referenced once, like `pool.lookup`'s, and counted as hits of their tier.
+        """
+        pages: list[int] = []
+        for key in keys if self.tiers is not None else ():
+            found = self.tiers.find(key)
+            if found is None:
+                break
+            fresh = self.pool.allocate(1)
+            if fresh is None:
+                break
+            tier, data = found
+            self.pool.register(fresh[0], key)
+            self.imports.append((fresh[0], data))
+            pages += fresh
+            hits = "prefix_hit_tokens_l2" if tier == "l2" else "prefix_hit_tokens_l3"
+            setattr(self.stats, hits, getattr(self.stats, hits) + self.cfg.page_size)
+        return pages
 
     def publish_pages(self, seq: Sequence) -> None:
         """Registers the full pages computed (or dispatched) whose ids are known, so later requests reuse them."""

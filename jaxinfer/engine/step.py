@@ -30,6 +30,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 from jaxinfer.errors import CompileAfterWarmupError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
+from jaxinfer.kv.tiers import TieredPages
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
 from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
@@ -102,6 +103,22 @@ def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs):
     return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
 
 
+TIER_CHUNK = 8  # pages per export/import call: one shape, so one compile each
+
+
+def _export(caches, pages: jax.Array) -> jax.Array:
+    """Pages of every layer -> [pages, layers, 2, kv_heads, page_size, head_dim]."""
+    per_layer = jnp.stack([jnp.stack([c.k[:, pages], c.v[:, pages]]) for c in caches])
+    return jnp.moveaxis(per_layer, 3, 0)
+
+
+def _import(caches, pages: jax.Array, data: jax.Array):
+    """Writes [pages, layers, 2, kv_heads, page_size, head_dim] into the pools (padding rows hit page 0)."""
+    data = jnp.moveaxis(data, 0, 3).astype(caches[0].k.dtype)  # [layers, 2, kv_heads, pages, ...]
+    return tuple(KVCache(c.k.at[:, pages].set(data[i, 0]), c.v.at[:, pages].set(data[i, 1]))
+                 for i, c in enumerate(caches))
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
@@ -113,6 +130,12 @@ class ModelRunner:
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self._replicated)
         self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
+        self._export_fn = jax.jit(_export)
+        self._import_fn = jax.jit(_import, donate_argnums=(0,))
+        # Lower KV tiers for pages the pool evicts. Evicted pages are copied out before the next
+        # step of any engine on this runner is dispatched, so no step can overwrite them first.
+        self.tiers: TieredPages | None = None
+        self._exports: list[tuple[list[bytes], list[jax.Array]]] = []
         self._executables: dict[int, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
@@ -204,12 +227,53 @@ class ModelRunner:
     def dispatch(self, batch: HostBatch, previous: StepResult | None = None) -> StepResult:
         """Enqueues one step and returns without waiting for it; `from_prev` indexes `previous`'s ids."""
         executable = self._executable(batch.num_tokens)
+        self.copy_evicted_pages()
         inputs = jax.device_put(batch.to_inputs(), self._replicated)
         prev_tokens = previous.tokens if previous is not None else self._no_tokens
         self.caches, tokens, logprobs = executable(self.state, self.caches, prev_tokens, inputs)
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
         return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens))
+
+    # -- KV tiers: copy whole pages out of and into the pools --------------------------------
+    def copy_evicted_pages(self) -> None:
+        """Enqueues copies of the pages the pool evicted since the last call (their content is intact)."""
+        evicted = self.pool.take_evicted()
+        if evicted and self.tiers is not None:
+            self._exports.append(([key for _, key in evicted], self.export_pages([page for page, _ in evicted])))
+
+    def demote_copied_pages(self) -> None:
+        """Hands the copied pages to the lower tiers (waits for the copies, which precede later steps)."""
+        exports, self._exports = self._exports, []
+        for keys, chunks in exports:
+            pages = np.concatenate([np.asarray(chunk) for chunk in chunks])
+            for key, page in zip(keys, pages, strict=False):  # padding rows have no key
+                self.tiers.demote(key, page)
+
+    def export_pages(self, pages: list[int]) -> list[jax.Array]:
+        """Enqueues copies of `pages` (in TIER_CHUNK groups, padded with page 0); host copies start at once.
+
+        Enqueued before the next step, they read the pages before that step can overwrite them.
+        """
+        chunks = []
+        for i in range(0, len(pages), TIER_CHUNK):
+            group = np.zeros(TIER_CHUNK, np.int32)
+            group[: len(pages[i : i + TIER_CHUNK])] = pages[i : i + TIER_CHUNK]
+            out = self._export_fn(self.caches, jax.device_put(group, self._replicated))
+            out.copy_to_host_async()
+            chunks.append(out)
+        return chunks
+
+    def import_pages(self, pages: list[int], data: np.ndarray) -> None:
+        """Writes host pages ([n, layers, 2, kv_heads, page_size, head_dim]) into device pages."""
+        for i in range(0, len(pages), TIER_CHUNK):
+            group = np.zeros(TIER_CHUNK, np.int32)
+            rows = data[i : i + TIER_CHUNK]
+            group[: len(rows)] = pages[i : i + TIER_CHUNK]
+            padded = np.zeros((TIER_CHUNK, *data.shape[1:]), data.dtype)
+            padded[: len(rows)] = rows
+            self.caches = self._import_fn(self.caches, jax.device_put(group, self._replicated),
+                                          jax.device_put(padded, self._replicated))
 
     def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step and waits for it: (sampled token per row, its logprob)."""

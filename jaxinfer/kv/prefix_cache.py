@@ -37,6 +37,8 @@ class PrefixCachingPool:
         self._refs = [0] * num_pages
         self._page_of: dict[bytes, int] = {}
         self._key_of: dict[int, bytes] = {}
+        self.track_evictions = False  # record evicted cached pages, for demotion to a lower KV tier
+        self._evicted: list[tuple[int, bytes]] = []
 
     @property
     def capacity(self) -> int:
@@ -62,9 +64,20 @@ class PrefixCachingPool:
             else:
                 page, key = self._cached_free.popitem(last=False)
                 del self._page_of[key], self._key_of[page]
+                if self.track_evictions:
+                    self._evicted.append((page, key))
             self._refs[page] = 1
             pages.append(page)
         return pages
+
+    @property
+    def has_evicted(self) -> bool:
+        return bool(self._evicted)
+
+    def take_evicted(self) -> list[tuple[int, bytes]]:
+        """(page, key) of the cached pages evicted since the last call; their content is still on the device."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def free(self, pages: Sequence[int]) -> None:
         for page in pages:

@@ -1,0 +1,97 @@
+"""KV tiers below the device pool: L2 in host memory (bounded, LRU) and L3 in a tensorstore `PageStore`.
+
+A prefix-cache page evicted from the device pool is demoted instead of dropped: into L2, and
+what L2 pushes out goes to L3 (or straight to L3 when there is no L2). A prefix lookup that runs
+out of device pages continues down the tiers; a hit is restored into a fresh device page and
+counted as a hit of its tier. Pages are `[layers, 2, kv_heads, page_size, head_dim]` arrays.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxinfer.kv.store import PageStore
+
+
+@dataclass
+class TierStats:
+    demoted_l2: int = 0
+    demoted_l3: int = 0
+    hits_l2: int = 0
+    hits_l3: int = 0
+    restore_seconds: float = 0.0
+
+
+class HostTier:
+    """L2: up to `capacity` pages in host memory, least recently used first out."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._pages: OrderedDict[bytes, np.ndarray] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        page = self._pages.get(key)
+        if page is not None:
+            self._pages.move_to_end(key)
+        return page
+
+    def drain(self) -> list[tuple[bytes, np.ndarray]]:
+        """Takes every page out, least recently used first."""
+        pages, self._pages = list(self._pages.items()), OrderedDict()
+        return pages
+
+    def put(self, key: bytes, page: np.ndarray) -> list[tuple[bytes, np.ndarray]]:
+        """Stores a page; returns the pages pushed out to make room (for the tier below)."""
+        self._pages[key] = page
+        self._pages.move_to_end(key)
+        pushed = []
+        while len(self._pages) > self.capacity:
+            pushed.append(self._pages.popitem(last=False))
+        return pushed
+
+
+class TieredPages:
+    def __init__(self, host: HostTier | None = None, store: PageStore | None = None):
+        self.host, self.store = host, store
+        self.stats = TierStats()
+
+    def demote(self, key: bytes, page: np.ndarray) -> None:
+        pushed = [(key, page)]
+        if self.host is not None:
+            pushed = self.host.put(key, page)
+            self.stats.demoted_l2 += 1
+        if self.store is not None:
+            for pushed_key, pushed_page in pushed:
+                self.store.put(pushed_key, pushed_page)
+                self.stats.demoted_l3 += 1
+
+    def persist(self) -> int:
+        """Moves every L2 page down to L3 (before exit, so a later process can use them); returns the count."""
+        if self.host is None or self.store is None:
+            return 0
+        pages = self.host.drain()
+        for key, page in pages:
+            self.store.put(key, page)
+            self.stats.demoted_l3 += 1
+        return len(pages)
+
+    def find(self, key: bytes) -> tuple[str, np.ndarray] | None:
+        """('l2' | 'l3', page) for a stored page, else None."""
+        start = time.perf_counter()
+        try:
+            if self.host is not None and (page := self.host.get(key)) is not None:
+                self.stats.hits_l2 += 1
+                return "l2", page
+            if self.store is not None and (page := self.store.get(key)) is not None:
+                self.stats.hits_l3 += 1
+                return "l3", page
+            return None
+        finally:
+            self.stats.restore_seconds += time.perf_counter() - start

@@ -1,0 +1,115 @@
+"""KV tiers on the real SmolLM2: evicted prefix pages go to host memory (L2) and a tensorstore store (L3)
+and come back on a hit with identical outputs; a second process reuses the L3 pages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from jaxinfer import SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.kv.store import ModelIdentity, PageStore
+from jaxinfer.kv.tiers import HostTier, TieredPages
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+SYSTEM = "You are a terse assistant for a lighthouse keeper; answer in one line about tides and lamps. " * 2
+
+
+def identity(llm) -> ModelIdentity:
+    m = llm.model_config
+    return ModelIdentity("smollm2-135m:test", np.dtype(llm.dtype).name, llm.config.page_size, m.num_layers,
+                         m.num_kv_heads, m.head_dim)
+
+
+def evict_everything(engine: Engine) -> None:
+    with engine.pool.hold(keep_free=0):  # takes every free page: all cached pages are evicted
+        pass
+    engine.flush_tiers()
+
+
+def test_evicted_pages_restore_from_l2_and_l3_with_identical_outputs(smollm2_llm, tmp_path):
+    prompt = SYSTEM + "When is high tide?"
+    request = smollm2_llm.request(prompt, GREEDY)
+    reference = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                       prefix_caching=False).generate([request])[0]
+    full_pages = (len(request.prompt_ids) - 1) // smollm2_llm.config.page_size
+    assert full_pages >= 5
+    tiers = TieredPages(HostTier(capacity=2), PageStore(str(tmp_path), identity(smollm2_llm)))
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, tiers=tiers)
+    assert engine.generate([request])[0].token_ids == reference.token_ids
+    evict_everything(engine)
+    assert len(tiers.host) == 2 and tiers.stats.demoted_l3 >= full_pages - 2
+    computed_before = engine.stats.prompt_tokens_computed
+    again = engine.generate([request])[0]
+    assert again.token_ids == reference.token_ids
+    page = smollm2_llm.config.page_size
+    assert engine.stats.prefix_hit_tokens_l2 == 2 * page
+    assert engine.stats.prefix_hit_tokens_l3 == (full_pages - 2) * page
+    assert again.usage.cached_tokens == full_pages * page
+    assert engine.stats.prompt_tokens_computed - computed_before == len(request.prompt_ids) - full_pages * page
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import TEST_ENGINE
+from test_kv_tiers import SYSTEM, GREEDY, identity, evict_everything
+from jaxinfer import LLM
+from jaxinfer.engine.engine import Engine
+from jaxinfer.kv.store import PageStore
+from jaxinfer.kv.tiers import TieredPages
+llm = LLM("smollm2-135m", **TEST_ENGINE)
+engine = Engine(llm.runner, llm.tokenizer, llm.max_model_len,
+                tiers=TieredPages(None, PageStore({store!r}, identity(llm))))
+print(engine.generate([llm.request(SYSTEM + "Why do lamps flicker?", GREEDY)])[0].token_ids)
+evict_everything(engine)
+"""
+
+
+def test_a_new_process_reuses_l3_pages_written_by_an_earlier_one(smollm2_llm, tmp_path):
+    tests = str(Path(__file__).parent)
+    proc = subprocess.run([sys.executable, "-c", CHILD.format(tests=tests, store=str(tmp_path))],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    request = smollm2_llm.request(SYSTEM + "Why do lamps flicker?", GREEDY)
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                    tiers=TieredPages(None, PageStore(str(tmp_path), identity(smollm2_llm))))
+    with engine.pool.hold(keep_free=0):  # nothing of this prompt may come from this process's device pages
+        pass
+    out = engine.generate([request])[0]
+    assert str(out.token_ids) == proc.stdout.strip().splitlines()[-1]
+    assert engine.stats.prefix_hit_tokens_l3 >= 5 * smollm2_llm.config.page_size
+
+
+def test_batch_runs_share_prefix_pages_through_the_store(tmp_path):
+    import json
+
+    from conftest import XLA_CACHE  # noqa: F401  (conftest set the persistent XLA cache for child processes)
+
+    lines = [{"id": i, "prompt": SYSTEM + question, "max_tokens": 6}
+             for i, question in enumerate(["When is low tide?", "Why is the lamp red?"])]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    engine_toml = tmp_path / "engine.toml"
+    engine_toml.write_text("[engine]\npage_size = 8\nnum_pages = 512\nmax_seqs = 8\ntoken_buckets = [1, 8, 64]\n")
+
+    def run(name: str) -> tuple[list[dict], dict]:
+        out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.stats.json"
+        proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"),
+                               "--output", str(out), "--config", str(engine_toml), "--kv-store",
+                               str(tmp_path / "kv"), "--stats-json", str(stats), "--no-progress"],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line) for line in out.read_text().splitlines()], json.loads(stats.read_text())
+
+    first, first_stats = run("first")
+    second, second_stats = run("second")
+    assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
+    assert first_stats["cached_tokens_l3"] == 0
+    # The first prompt restores the system prompt's pages from the store; the second finds them on the device.
+    assert second_stats["cached_tokens_l3"] >= 5 * 8 and second_stats["cached_prompt_tokens"] >= 2 * 5 * 8
+    assert second_stats["cached_prompt_tokens"] == (second_stats["cached_tokens_l1"] + second_stats["cached_tokens_l2"]
+                                                    + second_stats["cached_tokens_l3"])
