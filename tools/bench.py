@@ -6,6 +6,7 @@
     python tools/bench.py host                      # host share of the step wall time at batch 32
     python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
     python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
+    python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -225,6 +226,50 @@ def bench_gemm(args: argparse.Namespace) -> None:
                   gflop_per_s=round(flops / seconds / 1e9, 1)))
 
 
+# -- tiers: a long shared prefix recomputed vs restored from each KV tier ---------------------------
+def bench_tiers(args: argparse.Namespace, llm=None) -> None:
+    from jaxinfer.kv.store import ModelIdentity, PageStore
+    from jaxinfer.kv.tiers import HostTier, TieredPages
+
+    llm = llm or load_llm(args)
+    (prefix,) = random_prompts(llm, [args.prefix_len], seed=7)
+    tails = random_prompts(llm, [16] * (args.repeats + 1), seed=8)
+    m = llm.model_config
+    identity = ModelIdentity("bench", np.dtype(llm.dtype).name, llm.config.page_size, m.num_layers,
+                             m.num_kv_heads, m.head_dim)
+
+    def ttft(engine, tail) -> float:
+        start = time.perf_counter()
+        engine.generate([llm.request(prefix + tail, exact(1))])
+        return time.perf_counter() - start
+
+    with tempfile.TemporaryDirectory() as store_dir:
+        setups = {
+            "recomputed": dict(prefix_caching=False),
+            "l1_device": dict(),
+            "l2_host": dict(tiers=TieredPages(HostTier(args.prefix_len), None)),
+            "l3_file": dict(tiers=TieredPages(None, PageStore(store_dir, identity))),
+        }
+        results = {}
+        for name, flags in setups.items():
+            engine = fresh_engine(llm, **flags)
+            ttft(engine, tails[-1])  # computes (and publishes) the prefix once; warms the buckets
+            times = []
+            for tail in tails[: args.repeats]:
+                if name.startswith(("l2", "l3")):  # push every cached page down to the tier first
+                    with engine.pool.hold(keep_free=0):
+                        engine.flush_tiers()
+                times.append(ttft(engine, tail))
+            results[name] = float(np.median(times))
+            emit(dict(what="jaxinfer_kv_tier_ttft", tier=name, prefix_tokens=args.prefix_len,
+                      median_ttft_s=round(results[name], 3), runs=[round(t, 3) for t in times],
+                      hits_l2=engine.stats.prefix_hit_tokens_l2, hits_l3=engine.stats.prefix_hit_tokens_l3))
+        engine.runner.tiers = None  # the benchmark's tiers end with it
+        engine.pool.track_evictions = False
+    emit(dict(what="ratio", workload="kv-tiers", **{f"recomputed_over_{k}": round(results["recomputed"] / v, 2)
+                                                    for k, v in results.items() if k != "recomputed"}))
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -244,7 +289,8 @@ def main() -> None:
     uniform.add_argument("--out-len", type=int, default=32)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
-    workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host, "all": bench_all}
+    workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
+                 "tiers": bench_tiers, "all": bench_all}
     for name in workloads:
         w = sub.add_parser(name)
         w.add_argument("--requests", type=int, default=64)
@@ -256,6 +302,7 @@ def main() -> None:
         w.add_argument("--prefix-len", type=int, default=512)
         w.add_argument("--batch-size", type=int, default=32)
         w.add_argument("--in-len", type=int, default=128)
+        w.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     if args.workload == "uniform":
         bench_uniform(args)

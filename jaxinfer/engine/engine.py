@@ -70,6 +70,7 @@ class Engine:
         self.scheduler = Scheduler(self.cfg, self.pool, max_model_len, caching, self.stats)
         if tiers is not None:  # evicted prefix pages go down to L2/L3 (for every engine on the runner)
             runner.tiers, self.pool.track_evictions = tiers, True
+            runner.warmup_tiers()
         self.scheduler.tiers = runner.tiers  # and come back on a hit
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1

@@ -236,6 +236,13 @@ class ModelRunner:
         return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens))
 
     # -- KV tiers: copy whole pages out of and into the pools --------------------------------
+    def warmup_tiers(self) -> None:
+        """Compiles the page copy programs now rather than on the first eviction or restore."""
+        start = time.perf_counter()
+        for chunk in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
+            self.import_pages([0], np.zeros((1, *chunk.shape[1:]), chunk.dtype))
+        log.info("compiled the KV tier page copies in %.1fs", time.perf_counter() - start)
+
     def copy_evicted_pages(self) -> None:
         """Enqueues copies of the pages the pool evicted since the last call (their content is intact)."""
         evicted = self.pool.take_evicted()
