@@ -41,13 +41,17 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
                           ignore_eos=proto.ignore_eos, logprobs=proto.logprobs)
 
 
+def chat_messages(chat: pb.Messages) -> list[dict[str, str]]:
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
+
+
 def engine_request(llm: LLM, message: pb.GenerateRequest, request_id: str) -> Request:
     params = sampling_params(message.sampling)
     kind = message.WhichOneof("prompt")
     if kind == "text":
         return llm.request(message.text, params, request_id)
     if kind == "chat":
-        chat = [{"role": m.role, "content": m.content} for m in message.chat.messages]
+        chat = chat_messages(message.chat)
         if not chat:
             raise RequestError("chat.messages: must not be empty")
         return llm.chat_request(chat, params, request_id)
@@ -220,7 +224,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         report = GuardReport()
         try:
             if request.WhichOneof("input") == "chat":
-                chat = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+                chat = chat_messages(request.chat)
                 ids = self.llm.tokenizer.encode_chat(chat, report=report)
             else:
                 ids = self.llm.tokenizer.encode_prompt(request.text, report)

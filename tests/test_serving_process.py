@@ -87,19 +87,20 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(served):
     assert finished and finished[-1]["completion_tokens"] == 48 and finished[-1]["tenant"] == "local"
 
 
-def test_a_bad_config_exits_2_naming_the_setting(tmp_path):
+def serve_once(tmp_path, config_text: str) -> subprocess.CompletedProcess:
     config = tmp_path / "serve.toml"
-    config.write_text('[serve]\nauth = true\nport = 0\n')
-    proc = subprocess.run([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    config.write_text(config_text)
+    return subprocess.run([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_bad_config_exits_2_naming_the_setting(tmp_path):
+    proc = serve_once(tmp_path, '[serve]\nauth = true\nport = 0\n')
     assert proc.returncode == 2
     assert "serve.auth" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_a_model_that_fails_to_load_exits_2_naming_it(tmp_path):
-    config = tmp_path / "serve.toml"
-    config.write_text('[serve]\nmodel = "nope-1b"\nport = 0\nmetrics_port = -1\n')
-    proc = subprocess.run([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
+    proc = serve_once(tmp_path, '[serve]\nmodel = "nope-1b"\nport = 0\nmetrics_port = -1\n')
     assert proc.returncode == 2
     assert "nope-1b" in proc.stderr and "Traceback" not in proc.stderr.split("error:")[-1]

@@ -235,10 +235,11 @@ class Engine:
     def _launch(self, chunks: list[ScheduledChunk]) -> _InflightStep:
         """Builds and dispatches one step; the sequences' progress counts it from now on."""
         previous = self._inflight.result if self._inflight is not None else None
-        result = self.runner.dispatch(self._build_batch(chunks), previous)
+        batch = self._build_batch(chunks)
+        result = self.runner.dispatch(batch, previous)
         self.stats.steps += 1
         self.stats.tokens_scheduled += sum(c.count for c in chunks)
-        self.stats.padded_tokens += self.runner.bucket_for(sum(c.count for c in chunks))
+        self.stats.padded_tokens += batch.num_tokens
         for row, chunk in enumerate(chunks):
             seq = chunk.seq
             if chunk.start < len(seq.prompt_ids):

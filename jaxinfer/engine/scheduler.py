@@ -176,8 +176,10 @@ class Scheduler:
             self.pool.register(fresh[0], key)
             self.imports.append((fresh[0], data))
             pages += fresh
-            hits = "prefix_hit_tokens_l2" if tier == "l2" else "prefix_hit_tokens_l3"
-            setattr(self.stats, hits, getattr(self.stats, hits) + self.cfg.page_size)
+            if tier == "l2":
+                self.stats.prefix_hit_tokens_l2 += self.cfg.page_size
+            else:
+                self.stats.prefix_hit_tokens_l3 += self.cfg.page_size
         return pages
 
     def publish_pages(self, seq: Sequence) -> None:

@@ -8,7 +8,6 @@ counted as a hit of its tier. Pages are `[layers, 2, kv_heads, page_size, head_d
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -19,11 +18,10 @@ from jaxinfer.kv.store import PageStore
 
 @dataclass
 class TierStats:
+    """Pages moved down; hits are counted by the engine (`prefix_hit_tokens_l2`, `_l3`)."""
+
     demoted_l2: int = 0
     demoted_l3: int = 0
-    hits_l2: int = 0
-    hits_l3: int = 0
-    restore_seconds: float = 0.0
 
 
 class HostTier:
@@ -67,31 +65,27 @@ class TieredPages:
         if self.host is not None:
             pushed = self.host.put(key, page)
             self.stats.demoted_l2 += 1
-        if self.store is not None:
-            for pushed_key, pushed_page in pushed:
-                self.store.put(pushed_key, pushed_page)
-                self.stats.demoted_l3 += 1
+        self._to_store(pushed)
 
     def persist(self) -> int:
         """Moves every L2 page down to L3 (before exit, so a later process can use them); returns the count."""
         if self.host is None or self.store is None:
             return 0
         pages = self.host.drain()
+        self._to_store(pages)
+        return len(pages)
+
+    def _to_store(self, pages: list[tuple[bytes, np.ndarray]]) -> None:
+        if self.store is None:
+            return  # no L3: pages pushed out of L2 are dropped
         for key, page in pages:
             self.store.put(key, page)
             self.stats.demoted_l3 += 1
-        return len(pages)
 
     def find(self, key: bytes) -> tuple[str, np.ndarray] | None:
         """('l2' | 'l3', page) for a stored page, else None."""
-        start = time.perf_counter()
-        try:
-            if self.host is not None and (page := self.host.get(key)) is not None:
-                self.stats.hits_l2 += 1
-                return "l2", page
-            if self.store is not None and (page := self.store.get(key)) is not None:
-                self.stats.hits_l3 += 1
-                return "l3", page
-            return None
-        finally:
-            self.stats.restore_seconds += time.perf_counter() - start
+        if self.host is not None and (page := self.host.get(key)) is not None:
+            return "l2", page
+        if self.store is not None and (page := self.store.get(key)) is not None:
+            return "l3", page
+        return None
