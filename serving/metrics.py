@@ -47,6 +47,35 @@ class EngineCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+        yield from self._tiers(m)
+
+    @staticmethod
+    def _tiers(m: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """Per-tier series with a `tier` label: pages and bytes held, hits (tokens), pages demoted."""
+        if "kv_l2_pages" not in m:  # no lower tiers configured
+            return
+        per_tier = {
+            "jaxinfer_kv_tier_pages": (GaugeMetricFamily, "KV pages held by the tier", "kv_{}_pages"),
+            "jaxinfer_kv_tier_bytes": (GaugeMetricFamily, "bytes of KV pages held by the tier", "kv_{}_bytes"),
+            "jaxinfer_kv_tier_hit_tokens": (CounterMetricFamily, "prompt tokens restored from the tier",
+                                            "prefix_hit_tokens_{}"),
+            "jaxinfer_kv_tier_demoted_pages": (CounterMetricFamily, "pages moved down into the tier",
+                                               "kv_demoted_{}"),
+        }
+        for name, (family, doc, key) in per_tier.items():
+            metric = family(name, doc, labels=["tier"])
+            for tier in ("l2", "l3"):
+                metric.add_metric([tier], m[key.format(tier)])
+            yield metric
+        yield CounterMetricFamily("jaxinfer_kv_store_reads", "asynchronous KV store reads", value=m["store_reads"])
+        yield CounterMetricFamily("jaxinfer_kv_store_read_seconds", "time from read start to admission",
+                                  value=m["store_read_seconds"])
+        yield CounterMetricFamily("jaxinfer_kv_store_corrupt", "stored pages dropped for a bad checksum or size",
+                                  value=m.get("kv_l3_corrupt", 0))
+        yield CounterMetricFamily("jaxinfer_kv_store_evicted", "stored pages removed by the capacity limit",
+                                  value=m.get("kv_l3_evicted", 0))
+        yield CounterMetricFamily("jaxinfer_kv_pages_published", "prompt pages a prefill worker stored",
+                                  value=m["pages_published"])
 
 
 class ServerMetrics:

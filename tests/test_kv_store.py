@@ -93,3 +93,38 @@ def test_ocdbt_over_file_works_through_a_url(tmp_path):
     store.put(KEYS[3], page(3))
     again = PageStore(f"file://{tmp_path}/kv/|ocdbt:", IDENTITY)
     assert np.array_equal(again.get(KEYS[3]), page(3)) and again.keys() == [KEYS[3]]
+
+
+def test_capacity_removes_the_oldest_values_first(tmp_path):
+    one = len(page(0).tobytes())
+    store = PageStore(str(tmp_path), IDENTITY, max_bytes=3 * one)
+    for i, key in enumerate(KEYS):
+        store.put(key, page(i), now=1_000.0 + i)
+    assert store.num_pages == 3 and store.num_bytes == 3 * one and store.stats.evicted == 2
+    assert sorted(store.keys()) == sorted(KEYS[2:])  # the two oldest are gone from the store itself
+    assert store.get(KEYS[0]) is None and np.array_equal(store.get(KEYS[4]), page(4))
+
+
+def test_the_index_is_rebuilt_from_headers_and_sweep_sees_other_writers(tmp_path):
+    writer = PageStore(str(tmp_path), IDENTITY)
+    writer.put(KEYS[0], page(0))
+    reader = PageStore(str(tmp_path), IDENTITY)  # opened later: its index is read from the store
+    assert KEYS[0] in reader and reader.num_bytes == len(page(0).tobytes())
+    writer.put(KEYS[1], page(1))
+    assert KEYS[1] not in reader  # another process's write enters the index at the next sweep
+    assert reader.sweep() == 0 and KEYS[1] in reader and reader.num_pages == 2
+
+
+def test_reads_run_asynchronously_and_check_every_page(tmp_path):
+    store = PageStore(str(tmp_path), IDENTITY)
+    for i, key in enumerate(KEYS[:3]):
+        store.put(key, page(i))
+    path = value_file(tmp_path, store, KEYS[1])
+    path.write_bytes(path.read_bytes()[:-10])  # truncated
+    pending = store.read_async(KEYS)
+    pending.wait()
+    assert pending.done()
+    got = pending.pages()
+    assert sorted(got) == sorted([KEYS[0], KEYS[2]]) and np.array_equal(got[KEYS[2]], page(2))
+    assert (store.stats.hits, store.stats.corrupt, store.stats.misses) == (2, 1, 3)
+    assert KEYS[1] not in store and not path.exists()

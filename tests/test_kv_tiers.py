@@ -113,3 +113,61 @@ def test_batch_runs_share_prefix_pages_through_the_store(tmp_path):
     assert second_stats["cached_tokens_l3"] >= 5 * 8 and second_stats["cached_prompt_tokens"] >= 2 * 5 * 8
     assert second_stats["cached_prompt_tokens"] == (second_stats["cached_tokens_l1"] + second_stats["cached_tokens_l2"]
                                                     + second_stats["cached_tokens_l3"])
+
+
+def test_a_store_read_holds_only_its_own_request(smollm2_llm, tmp_path):
+    """While a request's pages are read from L3 it waits in the queue; a running request keeps decoding."""
+    store = PageStore(str(tmp_path), identity(smollm2_llm))
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                    tiers=TieredPages(None, store))
+    restored = smollm2_llm.request(SYSTEM + "Which lamp is brightest?", GREEDY)
+    reference = engine.generate([restored])[0]
+    evict_everything(engine)
+    assert store.num_pages >= 5
+    busy = engine.add_request(smollm2_llm.request("Count to twenty.", SamplingParams(max_tokens=12, temperature=0)))
+    engine.step()
+    waiting = engine.add_request(restored)
+    engine.step()  # starts the read; the waiting request is not admitted in the step that started it
+    assert waiting.store_read is not None and waiting in engine.scheduler.waiting
+    assert busy in engine.scheduler.running and busy.num_generated >= 2
+    outputs = {}
+    while engine.has_unfinished():
+        outputs.update({out.index: out for out in engine.step()})
+    assert outputs[waiting.index].token_ids == reference.token_ids
+    assert engine.stats.store_reads == 1 and engine.stats.store_read_seconds > 0
+    assert engine.stats.prefix_hit_tokens_l3 == store.num_pages * smollm2_llm.config.page_size
+    metrics = engine.metrics()
+    assert metrics["kv_l3_pages"] == store.num_pages and metrics["kv_l3_bytes"] == store.num_bytes > 0
+    assert metrics["kv_l3_hits"] == store.num_pages
+
+
+def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_path):
+    """A prefill engine computes the prompt and the first id and stores the pages; a decode engine that
+    starts with an empty device pool maps them and continues: the same greedy output as one engine."""
+    from jaxinfer.engine.disagg import decode_request, handoff, prefill_request, with_seed
+
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7)
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How far does the beam reach?"}]
+    request = smollm2_llm.chat_request(chat, params)
+    single = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                    prefix_caching=False).generate([request])[0]
+    store = PageStore(str(tmp_path), identity(smollm2_llm))
+    prefill = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                     tiers=TieredPages(None, store))
+    request = with_seed(request)
+    first = prefill.generate([prefill_request(request)])[0]
+    page = smollm2_llm.config.page_size
+    assert first.token_ids == single.token_ids[:1]
+    assert first.stored_pages == len(request.prompt_ids) // page == store.num_pages
+    passed = handoff(request, first)
+    assert passed.finish_reason is None
+    with smollm2_llm.runner.pool.hold(keep_free=0):  # drops the prefill engine's device pages
+        pass
+    smollm2_llm.runner.pool.take_evicted()  # as if on another machine: they are not demoted here
+    decode = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                    tiers=TieredPages(None, PageStore(str(tmp_path), identity(smollm2_llm))))
+    out = decode.generate([decode_request(passed)])[0]
+    assert out.token_ids == single.token_ids and out.text == single.text
+    assert out.usage.cached_tokens == decode.stats.prefix_hit_tokens_l3 == first.stored_pages * page
+    assert decode.stats.prompt_tokens_computed == len(request.prompt_ids) - first.stored_pages * page
+    assert decode.pool.num_free == decode.pool.capacity

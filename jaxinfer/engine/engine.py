@@ -17,6 +17,7 @@ overlap, batching nor preemption changes a request's output; in bfloat16 a recom
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -104,12 +105,32 @@ class Engine:
                 f"{pages_needed} KV pages of {self.cfg.page_size} tokens, the pool has {self.pool.capacity}"
             )
 
+    def validate_request(self, request: Request) -> None:
+        """`validate` plus the fields of disaggregated prefill and decode."""
+        self.validate(request.prompt_ids, request.params)
+        generated, vocab = request.generated_ids, self.runner.model_cfg.vocab_size
+        if len(generated) >= request.params.max_tokens:
+            raise RequestError(f"generated_ids: {len(generated)} ids already generated, max_tokens is "
+                               f"{request.params.max_tokens}")
+        if len(request.prompt_ids) + len(generated) >= self.max_model_len:
+            raise RequestError(f"generated_ids: prompt plus generated ids reach max_model_len {self.max_model_len}")
+        bad = next((t for t in generated if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"generated_ids: {bad} is outside the vocabulary [0, {vocab})")
+        if request.generated_logprobs and len(request.generated_logprobs) != len(generated):
+            raise RequestError("generated_logprobs: one per generated id is required")
+        tiers = self.scheduler.tiers
+        if (request.publish_kv or request.stored_pages) and (tiers is None or tiers.store is None):
+            raise RequestError("publish_kv / stored_pages: this engine has no KV store (engine.kv_store)")
+        if (request.publish_kv or request.stored_pages) and not self.prefix_caching:
+            raise RequestError("publish_kv / stored_pages: the engine's prefix cache is off")
+
     def generate(
         self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
     ) -> list[RequestOutput]:
         """Runs the requests to completion; outputs in request order."""
         for request in requests:
-            self.validate(request.prompt_ids, request.params)
+            self.validate_request(request)
         sequences = [self._enqueue(r) for r in requests]  # all validated first: none queued if one is bad
         outputs: dict[int, RequestOutput] = {}
         try:
@@ -137,12 +158,13 @@ class Engine:
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: running, waiting, preemptions, free pages, prefix hits, per-step times."""
         s = self.scheduler
-        return snapshot(self.stats, len(s.running), len(s.waiting), self.pool.num_free, self.pool.capacity)
+        tiers = s.tiers.gauges() if s.tiers is not None else None
+        return snapshot(self.stats, len(s.running), len(s.waiting), self.pool.num_free, self.pool.capacity, tiers)
 
     # -- step-wise API (what a server drives) --------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
         """Validates and queues a request; its output comes from a later `step()` (or `abort`)."""
-        self.validate(request.prompt_ids, request.params)
+        self.validate_request(request)
         return self._enqueue(request)
 
     def _enqueue(self, request: Request) -> Sequence:
@@ -176,7 +198,7 @@ class Engine:
         if not self.async_scheduling and self._inflight is not None:
             launched, self._inflight = self._inflight, None
             waited += self._process(launched, finished)
-        if launched is None and previous is None and self.has_unfinished():
+        if launched is None and previous is None and self.has_unfinished() and not self.scheduler.wait_for_store():
             raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
         elapsed = time.perf_counter() - started
         self.stats.step_seconds += elapsed
@@ -208,6 +230,24 @@ class Engine:
             self.flush_tiers()
         self.scheduler.tiers.persist()
 
+    def _store_prompt_pages(self, seq: Sequence) -> int:
+        """Writes the prompt's full pages to the KV store (a prefill worker's hand-off); returns how many.
+
+        They are never written again (later positions fall in later pages), so copying them after
+        the step in flight is safe; the write is done before the output is returned.
+        """
+        count = min(len(seq.page_keys), len(seq.prompt_ids) // self.cfg.page_size)
+        store = self.scheduler.tiers.store
+        keys = seq.page_keys[:count]
+        missing = [i for i, key in enumerate(keys) if key not in store]
+        if missing:
+            chunks = self.runner.export_pages([seq.pages[i] for i in missing])
+            pages = np.concatenate([np.asarray(chunk) for chunk in chunks])
+            for row, i in enumerate(missing):
+                store.put(keys[i], pages[row])
+        self.stats.pages_published += len(missing)
+        return count
+
     def _write_restored_pages(self) -> None:
         """Writes the pages the scheduler restored from L2/L3 into their device pages (before the step)."""
         imports, self.scheduler.imports = self.scheduler.imports, []
@@ -225,7 +265,12 @@ class Engine:
         params = request.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         detokenizer = IncrementalDetokenizer(self.tokenizer) if params.stop else None
-        return Sequence(index=index, request=request, seed=seed, detokenizer=detokenizer)
+        seq = Sequence(index=index, request=request, seed=seed, detokenizer=detokenizer)
+        seq.output_ids = list(request.generated_ids)  # generated by a prefill worker: the output so far
+        seq.logprobs = list(request.generated_logprobs) or [0.0] * len(request.generated_ids)
+        for token in seq.output_ids if detokenizer else ():
+            detokenizer.push(token)
+        return seq
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         eos = [] if params.ignore_eos else sorted(self.tokenizer.eos_ids)
@@ -297,8 +342,9 @@ class Engine:
                 continue
             self._append(seq, int(tokens[row]), float(logprobs[row]))
             if seq.finish_reason is not None:
+                stored = self._store_prompt_pages(seq) if seq.request.publish_kv else 0
                 self.scheduler.finish(seq)
-                finished.append(self._output(seq))
+                finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
             else:
                 self.scheduler.publish_pages(seq)
         return waited

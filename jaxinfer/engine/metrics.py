@@ -19,6 +19,9 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # all tiers
     prefix_hit_tokens_l2: int = 0  # of which restored from host memory
     prefix_hit_tokens_l3: int = 0  # of which restored from the tensorstore tier
+    store_reads: int = 0  # asynchronous KV store reads started for waiting requests
+    store_read_seconds: float = 0.0  # from each read's start until the scheduler saw it done
+    pages_published: int = 0  # prompt pages a prefill worker wrote to the KV store for decode workers
     aborted: int = 0
     discarded_samples: int = 0  # ids sampled for a sequence that had finished meanwhile (overlap's cost)
 
@@ -26,8 +29,11 @@ class EngineStats:
         return asdict(self)
 
 
-def snapshot(stats: EngineStats, running: int, waiting: int, free_pages: int, total_pages: int) -> dict[str, float]:
-    """Counters plus gauges: queue lengths, pages, and per-step averages."""
+def snapshot(
+    stats: EngineStats, running: int, waiting: int, free_pages: int, total_pages: int,
+    tiers: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """Counters plus gauges: queue lengths, pages, per-step averages, and the lower KV tiers' gauges."""
     steps = max(stats.steps, 1)
     queried = stats.prefix_queried_tokens
     return {
@@ -41,4 +47,5 @@ def snapshot(stats: EngineStats, running: int, waiting: int, free_pages: int, to
         "host_ms_per_step": 1000 * stats.host_seconds / steps,
         "host_fraction": stats.host_seconds / stats.step_seconds if stats.step_seconds else 0.0,
         "prefix_hit_rate": stats.prefix_hit_tokens / queried if queried else 0.0,
+        **(tiers or {}),
     }

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral, Real
 
 from jaxinfer.errors import RequestError
@@ -85,6 +85,13 @@ class Request:
     request_id: str = ""
     forged_tokens: int = 0  # control tokens forged in user text and encoded as plain text
     cache_salt: str = ""  # prefix-cache namespace (the tenant): pages are shared only within one salt
+    # Disaggregated prefill and decode (kv/channel.py). A prefill worker's request sets `publish_kv`:
+    # when it finishes, its prompt's full KV pages are written to the KV store. The decode worker's
+    # request continues from the ids generated there, and reads the `stored_pages` leading pages.
+    publish_kv: bool = False
+    generated_ids: list[int] = field(default_factory=list)
+    generated_logprobs: list[float] = field(default_factory=list)
+    stored_pages: int = 0
 
 
 @dataclass
@@ -102,3 +109,4 @@ class RequestOutput:
     logprobs: list[float] | None = None
     request_id: str = ""
     forged_tokens: int = 0
+    stored_pages: int = 0  # prompt pages written to the KV store (requests with `publish_kv`)

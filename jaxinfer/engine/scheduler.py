@@ -11,6 +11,11 @@ Prefix cache: on admission a sequence takes the longest chain of cached full pag
 published. When the first missing page is being computed by a running sequence (one long system
 prompt shared by a batch), the newcomer waits for it instead of computing it again.
 
+Lower KV tiers: the chain continues in L2 (host memory, read at once) and L3 (the KV store). Pages
+the store holds are read asynchronously: the sequence stays in the queue, others keep running,
+and it is admitted once the read is done (`store_reads`); pages a prefill worker wrote for a
+request (`Request.stored_pages`) are read even before this process's store index knows them.
+
 Overlapped scheduling: a running sequence whose newest id is still on the device is scheduled
 like any other (the step reads that id on the device); one that already has `max_tokens` ids
 counting those in flight is not. A preempted sequence with an id in flight waits in the queue
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 
 import numpy as np
@@ -29,6 +35,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
+from jaxinfer.kv.store import PageStore
 from jaxinfer.kv.tiers import TieredPages
 
 log = logging.getLogger(__name__)
@@ -52,6 +59,13 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def wait_for_store(self) -> bool:
+        """Blocks until a KV store read of a waiting sequence is done; False if none is under way."""
+        reading = next((s.store_read for s in self.waiting if s.store_read is not None), None)
+        if reading is not None:
+            reading.wait()
+        return reading is not None
 
     def find(self, index: int) -> Sequence | None:
         return next((s for queue in (self.waiting, self.running) for s in queue if s.index == index), None)
@@ -134,7 +148,8 @@ class Scheduler:
 
     # -- prefix cache ------------------------------------------------------------------------
     def _attach_prefix(self, seq: Sequence) -> bool:
-        """Takes the longest cached prefix; False (nothing taken) when the next page is in flight.
+        """Takes the longest cached prefix; False (nothing taken) while the next page is in flight
+        (computed by a running sequence, or being read from the KV store).
 
         At least one token is always left to compute, so the step has a row to sample from. If the
         first page still missing is being computed by a running sequence (a shared system prompt
@@ -143,13 +158,15 @@ class Scheduler:
         page_size = self.cfg.page_size
         keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.request.cache_salt)
         usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
+        if self._reading_store(seq, keys[:usable]):
+            return False
         pages = self.pool.lookup(keys[:usable])
-        restored = self._restore(keys[len(pages) : usable])
-        pages += restored
+        pages += self._restore(seq, keys[len(pages) : usable])
         owner = self._pending.get(keys[len(pages)]) if len(pages) < usable else None
         if owner is not None and owner is not seq:
             self.pool.free(pages)
             return False
+        seq.store_read = None
         seq.pages, seq.page_keys, seq.num_computed = pages, keys[: len(pages)], len(pages) * page_size
         seq.pending_keys = [k for k in keys[len(pages) :] if self._pending.setdefault(k, seq) is seq]
         if seq.cached_tokens < 0:
@@ -158,21 +175,53 @@ class Scheduler:
             self.stats.prefix_hit_tokens += seq.cached_tokens
         return True
 
-    def _restore(self, keys: list[bytes]) -> list[int]:
+    def _reading_store(self, seq: Sequence, keys: list[bytes]) -> bool:
+        """Starts or polls the KV store read of the pages after those in the pool and L2; True while it runs."""
+        store = self.tiers.store if self.tiers is not None else None
+        if store is None:
+            return False
+        if seq.store_read is None:
+            first = next((i for i, k in enumerate(keys) if k not in self.pool and not self.tiers.in_host(k)),
+                         len(keys))
+            # Pages a prefill worker wrote for this request may not be in this process's index yet.
+            wanted = self._contiguous(keys, first, seq.request.stored_pages, store)
+            if not wanted:
+                return False
+            seq.store_read = store.read_async(wanted)
+            self.stats.store_reads += 1
+            return True  # admitted at a later step, never in the one that started the read
+        if not seq.store_read.done():
+            return True
+        if seq.store_read.finished is None:
+            seq.store_read.finished = time.perf_counter()
+            self.stats.store_read_seconds += seq.store_read.finished - seq.store_read.started
+        return False
+
+    @staticmethod
+    def _contiguous(keys: list[bytes], first: int, hinted: int, store: PageStore) -> list[bytes]:
+        """keys[first:] as far as each is hinted or in the store's index."""
+        end = first
+        while end < len(keys) and (end < hinted or keys[end] in store):
+            end += 1
+        return keys[first:end]
+
+    def _restore(self, seq: Sequence, keys: list[bytes]) -> list[int]:
         """Continues a prefix hit in the lower tiers: each page found gets a device page and is registered.
 
         The page's content is queued in `imports`; the engine writes it before the next step. The
         pages are referenced once, like `pool.lookup`'s, and counted as hits of their tier.
         """
+        from_store = seq.store_read.pages() if seq.store_read is not None else {}
         pages: list[int] = []
         for key in keys if self.tiers is not None else ():
-            found = self.tiers.find(key)
-            if found is None:
+            data, tier = self.tiers.host_page(key), "l2"
+            if data is None:
+                data, tier = from_store.get(key), "l3"
+            if data is None:
                 break
             fresh = self.pool.allocate(1)
             if fresh is None:
                 break
-            tier, data = found
             self.pool.register(fresh[0], key)
             self.imports.append((fresh[0], data))
             pages += fresh

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from jaxinfer.engine.params import Request, SamplingParams
+from jaxinfer.kv.store import PendingRead
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 
@@ -31,6 +32,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None  # streams the output text (for stop strings)
     stop_at: int | None = None  # where a stop string starts in the decoded output
     arrival: int = 0  # admission order, for preempting the newest
+    store_read: PendingRead | None = None  # prefix pages being read from the KV store before admission
 
     @property
     def prompt_ids(self) -> list[int]:

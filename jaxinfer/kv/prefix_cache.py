@@ -90,6 +90,9 @@ class PrefixCachingPool:
                 else:
                     self._cached_free[page] = key
 
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._page_of
+
     def lookup(self, keys: Sequence[bytes]) -> list[int]:
         """Pages of the longest cached prefix of `keys`, each now referenced once more."""
         pages = []

@@ -10,6 +10,13 @@ renames it; object stores publish whole objects), so a reader sees a page comple
 a value that fails its checksum or size (corruption, truncation) is deleted and reported as a
 miss, so the caller recomputes it.
 
+Reads are asynchronous (`read_async`): tensorstore runs them on its own threads while the
+scheduler keeps stepping other requests. The store keeps an index of this model's values (size
+and creation time; built at open from a listing and each value's header, a byte-range read, then
+kept current by this process's writes) for the capacity limit (`max_bytes`: the oldest values
+go first), the gauges, and to skip rewriting a page that is already stored. Other processes'
+writes enter the index at the next `sweep`.
+
 Raw kvstore values rather than one zarr array per page: a page is written once and read whole, so
 zarr's chunk grid and per-array metadata would only add a second object per page.
 """
@@ -26,6 +33,7 @@ import numpy as np
 import tensorstore as ts
 
 MAGIC = b"jaxinfer-kv-page/1\n"
+HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this size find it
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,13 @@ class StoreStats:
     misses: int = 0
     corrupt: int = 0  # values dropped for a bad checksum, size or header
     expired: int = 0  # values removed by `sweep`
+    evicted: int = 0  # values removed to stay under `max_bytes`
+
+
+@dataclass(frozen=True)
+class _Entry:
+    nbytes: int
+    created: float
 
 
 def kvstore_spec(location: str) -> str | dict:
@@ -60,56 +75,144 @@ def kvstore_spec(location: str) -> str | dict:
     return {"driver": "file", "path": os.path.abspath(location) + "/"}
 
 
+class PendingRead:
+    """Pages being read by tensorstore; `done()` polls, `pages()` waits and checks them."""
+
+    def __init__(self, store: PageStore, keys: list[bytes]):
+        self._store, self.keys = store, keys
+        self._futures = [store._kv.read(store._key(key)) for key in keys]
+        self.started = time.perf_counter()
+        self.finished: float | None = None  # when the reader saw it done (set by the scheduler)
+        self._pages: dict[bytes, np.ndarray] | None = None
+
+    def done(self) -> bool:
+        return all(future.done() for future in self._futures)
+
+    def wait(self) -> None:
+        for future in self._futures:
+            future.result()
+
+    def pages(self) -> dict[bytes, np.ndarray]:
+        """The pages found intact and unexpired, by key (damaged ones are deleted and left out)."""
+        if self._pages is None:
+            self._pages = {key: page for key, future in zip(self.keys, self._futures, strict=True)
+                           if (page := self._store._accept(key, future.result())) is not None}
+        return self._pages
+
+
 class PageStore:
-    def __init__(self, location: str, identity: ModelIdentity, ttl_seconds: float = 0.0):
-        self.location, self.identity, self.ttl_seconds = location, identity, ttl_seconds
+    def __init__(self, location: str, identity: ModelIdentity, ttl_seconds: float = 0.0, max_bytes: int = 0):
+        self.location, self.identity = location, identity
+        self.ttl_seconds, self.max_bytes = ttl_seconds, max_bytes
         self._kv = ts.KvStore.open(kvstore_spec(location)).result()
         self._prefix = identity.digest() + "/"
         self.stats = StoreStats()
+        self._index: dict[bytes, _Entry] = {}
+        self._scan()
 
+    # -- index -------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return len(self._index)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(entry.nbytes for entry in self._index.values())
+
+    def __contains__(self, page_key: bytes) -> bool:
+        return page_key in self._index
+
+    def _scan(self) -> list[bytes]:
+        """Rebuilds the index from a listing and the headers; returns the keys of unreadable values."""
+        keys = self.keys()
+        futures = [self._kv.read(self._key(k), byte_range=slice(0, HEADER_BYTES)) for k in keys]
+        self._index, damaged = {}, []
+        for key, future in zip(keys, futures, strict=True):
+            result = future.result()
+            header = self._header(result.value) if result.state == "value" else None
+            if header is None:
+                damaged.append(key)
+            else:
+                self._index[key] = _Entry(header["nbytes"], header["created"])
+        return damaged
+
+    # -- values ------------------------------------------------------------------------------
     def _key(self, page_key: bytes) -> str:
         return self._prefix + page_key.hex()
+
+    def _delete(self, page_key: bytes) -> None:
+        key = self._key(page_key)
+        self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+        self._index.pop(page_key, None)
 
     def put(self, page_key: bytes, page: np.ndarray, now: float | None = None) -> None:
         """Stores one page ([layers, 2, kv_heads, page_size, head_dim]); replaces an earlier value."""
         data = np.ascontiguousarray(page).tobytes()
+        created = time.time() if now is None else now
         header = {"shape": list(page.shape), "dtype": str(page.dtype), "nbytes": len(data),
-                  "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest(),
-                  "created": time.time() if now is None else now}
+                  "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest(), "created": created}
         value = MAGIC + json.dumps(header).encode() + b"\n" + data
         self._kv.write(self._key(page_key), value).result()
+        self._index[page_key] = _Entry(len(data), created)
         self.stats.writes += 1
         self.stats.bytes_written += len(value)
+        self._enforce_capacity()
+
+    def _enforce_capacity(self) -> None:
+        if self.max_bytes <= 0:
+            return
+        total = self.num_bytes
+        for page_key, entry in sorted(self._index.items(), key=lambda item: item[1].created):
+            if total <= self.max_bytes:
+                break
+            self._delete(page_key)
+            total -= entry.nbytes
+            self.stats.evicted += 1
+
+    def read_async(self, page_keys: list[bytes]) -> PendingRead:
+        return PendingRead(self, page_keys)
 
     def get(self, page_key: bytes) -> np.ndarray | None:
         """The stored page, or None when absent, expired, or damaged (a damaged value is deleted)."""
-        key = self._key(page_key)
-        result = self._kv.read(key).result()
+        return self.read_async([page_key]).pages().get(page_key)
+
+    def _accept(self, page_key: bytes, result: ts.KvStore.ReadResult) -> np.ndarray | None:
+        """A read's page if it is intact and unexpired; counts the hit or miss, deletes a damaged value."""
         if result.state != "value":
+            self._index.pop(page_key, None)  # removed by another process
             self.stats.misses += 1
             return None
         parsed = self._parse(result.value)
         if parsed is None:
             self.stats.corrupt += 1
-            self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-            self.stats.misses += 1
-            return None
-        header, page = parsed
-        if self._expired(header, time.time()):
+            self._delete(page_key)
+        elif self._expired(parsed[0], time.time()):
+            parsed = None
+        if parsed is None:
             self.stats.misses += 1
             return None
         self.stats.hits += 1
-        return page
+        return parsed[1]
 
     @staticmethod
-    def _parse(value: bytes) -> tuple[dict, np.ndarray] | None:
-        if not value.startswith(MAGIC):
-            return None
+    def _header(value: bytes) -> dict | None:
         end = value.find(b"\n", len(MAGIC))
+        if not value.startswith(MAGIC) or end < 0:
+            return None
         try:
             header = json.loads(value[len(MAGIC) : end])
-            data = value[end + 1 :]
-            if end < 0 or len(data) != header["nbytes"]:
+            return header if isinstance(header, dict) and {"nbytes", "created"} <= header.keys() else None
+        except ValueError:
+            return None
+
+    @classmethod
+    def _parse(cls, value: bytes) -> tuple[dict, np.ndarray] | None:
+        header = cls._header(value)
+        if header is None:
+            return None
+        data = value[value.find(b"\n", len(MAGIC)) + 1 :]
+        try:
+            if len(data) != header["nbytes"]:
                 return None
             if hashlib.blake2b(data, digest_size=16).hexdigest() != header["blake2b"]:
                 return None
@@ -121,20 +224,19 @@ class PageStore:
         return self.ttl_seconds > 0 and header["created"] + self.ttl_seconds < now
 
     def keys(self) -> list[bytes]:
-        """Prefix-cache keys of this model's stored pages."""
+        """Prefix-cache keys of this model's stored pages (a listing of the store)."""
         listed = self._kv.list(ts.KvStore.KeyRange(self._prefix, self._prefix[:-1] + "0")).result()
         return [bytes.fromhex(k.decode()[len(self._prefix) :]) for k in listed]
 
     def sweep(self, now: float | None = None) -> int:
-        """Removes this model's expired (and damaged) values; returns how many were removed."""
+        """Re-reads the listing and headers (pages other processes wrote enter the index), removes
+        expired and unreadable values, and enforces the capacity; returns how many were removed."""
         now = time.time() if now is None else now
-        removed = 0
-        for page_key in self.keys():
-            key = self._key(page_key)
-            result = self._kv.read(key).result()
-            parsed = self._parse(result.value) if result.state == "value" else None
-            if parsed is None or self._expired(parsed[0], now):
-                self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-                removed += 1
-        self.stats.expired += removed
-        return removed
+        damaged = self._scan()
+        expired = [k for k, e in self._index.items() if self.ttl_seconds > 0 and e.created + self.ttl_seconds < now]
+        for page_key in damaged + expired:
+            self._delete(page_key)
+        self.stats.expired += len(damaged) + len(expired)
+        evicted_before = self.stats.evicted
+        self._enforce_capacity()
+        return len(damaged) + len(expired) + self.stats.evicted - evicted_before

@@ -3,7 +3,9 @@
 A prefix-cache page evicted from the device pool is demoted instead of dropped: into L2, and
 what L2 pushes out goes to L3 (or straight to L3 when there is no L2). A prefix lookup that runs
 out of device pages continues down the tiers; a hit is restored into a fresh device page and
-counted as a hit of its tier. Pages are `[layers, 2, kv_heads, page_size, head_dim]` arrays.
+counted as a hit of its tier (the scheduler reads L3 asynchronously: `PageStore.read_async`).
+Pages are `[layers, 2, kv_heads, page_size, head_dim]` arrays. A page already in L3 is not
+written again when it falls out of L2 a second time.
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ class HostTier:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._pages: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self.num_bytes = 0
 
     def __len__(self) -> int:
         return len(self._pages)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._pages
 
     def get(self, key: bytes) -> np.ndarray | None:
         page = self._pages.get(key)
@@ -43,15 +49,20 @@ class HostTier:
     def drain(self) -> list[tuple[bytes, np.ndarray]]:
         """Takes every page out, least recently used first."""
         pages, self._pages = list(self._pages.items()), OrderedDict()
+        self.num_bytes = 0
         return pages
 
     def put(self, key: bytes, page: np.ndarray) -> list[tuple[bytes, np.ndarray]]:
         """Stores a page; returns the pages pushed out to make room (for the tier below)."""
+        if key in self._pages:
+            self.num_bytes -= self._pages[key].nbytes
         self._pages[key] = page
         self._pages.move_to_end(key)
+        self.num_bytes += page.nbytes
         pushed = []
         while len(self._pages) > self.capacity:
             pushed.append(self._pages.popitem(last=False))
+            self.num_bytes -= pushed[-1][1].nbytes
         return pushed
 
 
@@ -79,13 +90,29 @@ class TieredPages:
         if self.store is None:
             return  # no L3: pages pushed out of L2 are dropped
         for key, page in pages:
-            self.store.put(key, page)
-            self.stats.demoted_l3 += 1
+            if key not in self.store:  # restored from L3 earlier: the stored copy is the same
+                self.store.put(key, page)
+                self.stats.demoted_l3 += 1
 
-    def find(self, key: bytes) -> tuple[str, np.ndarray] | None:
-        """('l2' | 'l3', page) for a stored page, else None."""
-        if self.host is not None and (page := self.host.get(key)) is not None:
-            return "l2", page
-        if self.store is not None and (page := self.store.get(key)) is not None:
-            return "l3", page
-        return None
+    def host_page(self, key: bytes) -> np.ndarray | None:
+        return self.host.get(key) if self.host is not None else None
+
+    def in_host(self, key: bytes) -> bool:
+        return self.host is not None and key in self.host
+
+    def gauges(self) -> dict[str, float]:
+        """Pages and bytes held per tier, pages moved down, and the store's own counters."""
+        host, store = self.host, self.store
+        gauges = {
+            "kv_l2_pages": len(host) if host else 0,
+            "kv_l2_bytes": host.num_bytes if host else 0,
+            "kv_l2_capacity_pages": host.capacity if host else 0,
+            "kv_l3_pages": store.num_pages if store else 0,
+            "kv_l3_bytes": store.num_bytes if store else 0,
+            "kv_l3_capacity_bytes": store.max_bytes if store else 0,
+            "kv_demoted_l2": self.stats.demoted_l2,
+            "kv_demoted_l3": self.stats.demoted_l3,
+        }
+        if store is not None:
+            gauges.update({f"kv_l3_{name}": value for name, value in vars(store.stats).items()})
+        return gauges

@@ -1,0 +1,62 @@
+"""Disaggregated prefill and decode: what a prefill worker computes and what it hands to a decode worker.
+
+The prefill worker runs a request's prompt and samples its first id (`prefill_request`: at most
+one token, `publish_kv` on), and writes the prompt's full KV pages to the shared KV store
+(`Engine` does that as the request finishes). The hand-off is small: the prompt ids, the sampling
+settings with the seed fixed, the ids generated and how many pages were stored. The decode worker
+queues `decode_request(handoff)`: its scheduler reads the stored pages from the store into its own
+pool (asynchronously, as any L3 hit), recomputes the prompt's last partial page and the first id
+(fewer than `page_size + 1` tokens), and decodes on. Sampling keys depend only on the seed and the
+number of ids generated, so the output equals the single-engine output (greedy: exactly).
+
+Only full pages travel: a partial page is cheaper to recompute than to store and look up, as
+LMCache does for its last partial chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from jaxinfer.engine.params import MAX_SEED, Request, RequestOutput
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A prefilled request, ready for a decode worker; `finish_reason` set means it is already done."""
+
+    request: Request  # the original request, with its seed fixed
+    generated_ids: list[int]
+    generated_logprobs: list[float]
+    stored_pages: int
+    finish_reason: str | None
+    text: str  # the output text so far (the whole output when finished)
+
+
+def with_seed(request: Request, rng: random.Random | None = None) -> Request:
+    """The request with a fixed seed, so that both workers sample with the same keys."""
+    if request.params.seed is not None:
+        return request
+    seed = (rng or random.SystemRandom()).randint(0, MAX_SEED)
+    return dataclasses.replace(request, params=dataclasses.replace(request.params, seed=seed))
+
+
+def prefill_request(request: Request) -> Request:
+    """What the prefill worker runs: the prompt and the first id, with the pages published."""
+    params = dataclasses.replace(request.params, max_tokens=1, min_tokens=min(request.params.min_tokens, 1))
+    return dataclasses.replace(request, params=params, publish_kv=True)
+
+
+def handoff(request: Request, output: RequestOutput) -> Handoff:
+    """The hand-off of a prefilled `request` (seed fixed) from the prefill worker's output."""
+    done = output.finish_reason != "length" or request.params.max_tokens <= len(output.token_ids)
+    return Handoff(request, list(output.token_ids), list(output.logprobs or [0.0] * len(output.token_ids)),
+                   output.stored_pages, output.finish_reason if done else None, output.text)
+
+
+def decode_request(handoff: Handoff) -> Request:
+    """What the decode worker runs: the original request, continuing after the generated ids."""
+    return dataclasses.replace(handoff.request, generated_ids=list(handoff.generated_ids),
+                               generated_logprobs=list(handoff.generated_logprobs),
+                               stored_pages=handoff.stored_pages)
