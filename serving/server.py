@@ -26,6 +26,7 @@ from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.engine import Engine
 from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
+from serving.disagg import ROLES, PrefillRouter, PrefillService
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.service import InferenceService
@@ -35,6 +36,7 @@ from serving.worker import EngineWorker
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+KV_CHANNEL = pb.DESCRIPTOR.services_by_name["KVChannel"].full_name
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class ServeConfig:
     tenants_file: str = ""  # a TOML file of [[tenants]] entries (keep keys out of the main config)
     tls_cert: str = ""  # PEM paths; both set: TLS on the gRPC port
     tls_key: str = ""
+    role: str = "both"  # both | prefill | decode (serving/disagg.py); prefill and decode need engine.kv_store
+    prefill_peers: tuple[str, ...] = ()  # a decode worker's prefill workers, "host:port"
 
     def replace(self, **changes: Any) -> ServeConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -76,12 +80,25 @@ def load_configs(path: str | Path | None, **overrides: Any) -> tuple[ServeConfig
             entries += tomllib.loads(Path(serve["tenants_file"]).read_text()).get("tenants", [])
         except (FileNotFoundError, tomllib.TOMLDecodeError) as exc:
             raise ConfigError(f"serve.tenants_file: {exc}") from None
-    config = ServeConfig().replace(**serve, tenants=tuple(parse_tenants(entries)))
+    peers = tuple(serve.pop("prefill_peers", ()))
+    config = ServeConfig().replace(**serve, tenants=tuple(parse_tenants(entries)), prefill_peers=peers)
     if config.auth and not config.tenants:
         raise ConfigError("serve.auth is on but no tenants are configured")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError("serve.tls_cert and serve.tls_key must be set together")
-    return config, load_engine_config(path)
+    engine = load_engine_config(path)
+    check_role(config, engine)
+    return config, engine
+
+
+def check_role(config: ServeConfig, engine: EngineConfig) -> None:
+    if config.role not in ROLES:
+        raise ConfigError(f"serve.role must be one of {', '.join(ROLES)}, got {config.role!r}")
+    if config.role != "both" and not (engine.kv_store and engine.prefix_caching):
+        raise ConfigError(f"serve.role {config.role!r} needs engine.kv_store (the KV store both workers share) "
+                          "and engine.prefix_caching")
+    if (config.role == "decode") != bool(config.prefill_peers):
+        raise ConfigError("serve.prefill_peers must be set for role 'decode', and only for it")
 
 
 class InferenceServer:
@@ -89,9 +106,12 @@ class InferenceServer:
 
     def __init__(self, config: ServeConfig, engine_config: EngineConfig | None = None, llm: LLM | None = None):
         self.config, self.engine_config, self.llm = config, engine_config or EngineConfig(), llm
+        check_role(config, llm.config if llm is not None else self.engine_config)
         self.health = HealthServicer()
         self.metrics = ServerMetrics(self._engine_snapshot)
         self.service = InferenceService(config.model, TenantBook(list(config.tenants), config.auth), self.metrics)
+        prefills = config.role == "prefill"
+        self.prefill = PrefillService(self.service.admit_call, lambda: self.worker) if prefills else None
         self.worker: EngineWorker | None = None
         self._server: grpc.aio.Server | None = None  # created in `start`, on the serving event loop
         self.port = 0
@@ -101,8 +121,13 @@ class InferenceServer:
         """Binds the port and answers health checks at once (NOT_SERVING); returns the port."""
         self._server = grpc.aio.server()
         self.service.register(self._server)
+        if self.prefill is not None:
+            self.prefill.register(self._server)
+        if self.config.role == "decode":  # channels are made on the serving event loop
+            self.service.router = PrefillRouter(self.config.prefill_peers)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection((SERVICE_NAME, reflection.SERVICE_NAME, "grpc.health.v1.Health"),
+        services = (SERVICE_NAME, KV_CHANNEL) if self.prefill else (SERVICE_NAME,)
+        reflection.enable_server_reflection((*services, reflection.SERVICE_NAME, "grpc.health.v1.Health"),
                                             self._server)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -117,8 +142,8 @@ class InferenceServer:
         if self.config.metrics_port >= 0:
             self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
         auth = f"{len(self.config.tenants)} tenants" if self.config.auth else "OFF (local use: no API keys checked)"
-        log.info("listening on %s:%d (TLS %s, authentication %s, metrics port %s)", self.config.host, self.port,
-                 "on" if self.config.tls_cert else "off", auth, self.metrics_port)
+        log.info("listening on %s:%d (role %s, TLS %s, authentication %s, metrics port %s)", self.config.host,
+                 self.port, self.config.role, "on" if self.config.tls_cert else "off", auth, self.metrics_port)
         return self.port
 
     def _engine_snapshot(self) -> tuple[dict[str, float], int] | None:
@@ -150,6 +175,8 @@ class InferenceServer:
         await self._server.stop(grace=1.0)
         if self.worker is not None:
             self.worker.stop()
+        if self.service.router is not None:
+            await self.service.router.close()
         self.metrics.close()
 
     async def wait(self) -> None:

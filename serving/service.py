@@ -14,10 +14,12 @@ from typing import Any
 import grpc
 import numpy as np
 
+from jaxinfer.engine.disagg import decode_request
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
+from serving.disagg import PrefillRouter, finished_output
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc  # the servicer base class
@@ -76,6 +78,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.worker: EngineWorker | None = None
         self.draining = False
         self.active = 0  # Generate calls admitted and not yet ended
+        self.router: PrefillRouter | None = None  # set on a decode worker: prompts go to prefill peers
 
     def attach(self, llm: LLM, worker: EngineWorker) -> None:
         self.llm, self.worker = llm, worker
@@ -97,7 +100,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         service = pb.DESCRIPTOR.services_by_name["Inference"].full_name
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
-    async def _admit_call(self, context: grpc.aio.ServicerContext, request: object = None) -> Tenant:
+    async def admit_call(self, context: grpc.aio.ServicerContext, request: object = None) -> Tenant:
         """The caller's tenant, or the call ends: INVALID_ARGUMENT for an undecodable request,
         UNAUTHENTICATED, or UNAVAILABLE while loading or draining."""
         if isinstance(request, Undecodable):
@@ -113,7 +116,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return tenant
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        tenant = await self._admit_call(context, request)
+        tenant = await self.admit_call(context, request)
         self.active += 1  # counted from admission, so a drain waits for requests still being tokenized
         try:
             async with contextlib.aclosing(self._admitted(request, tenant, context)) as responses:
@@ -138,6 +141,12 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:  # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
+            if self.router is not None:
+                engine_req, done = await self._prefill_on_peer(engine_req, context)
+                if done is not None:
+                    self._count("ok", done.final)
+                    yield self._response(engine_req.request_id, engine_req, done)
+                    return
             async with contextlib.aclosing(self._stream(engine_req, tenant, context, started)) as responses:
                 async for response in responses:
                     yield response
@@ -181,6 +190,22 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._count(status, final)
             self._log(engine_req.request_id, tenant.name, status, final, time.perf_counter() - started)
 
+    async def _prefill_on_peer(self, engine_req: Request, context: grpc.aio.ServicerContext
+                               ) -> tuple[Request, Delta | None]:
+        """Has a prefill peer compute the prompt; returns the request to decode here, or the final delta
+        when the request ended on the peer. A peer's error ends the call with the peer's status."""
+        try:
+            passed = await self.router.prefill(engine_req, context.invocation_metadata(), context.time_remaining())
+        except grpc.aio.AioRpcError as exc:
+            self._count("error")
+            await context.abort(exc.code(), f"prefill worker: {exc.details()}")
+        if passed is None:
+            return engine_req, None
+        if passed.finish_reason is not None:
+            out = finished_output(passed)
+            return passed.request, Delta(out.text, out.token_ids, out.logprobs or [], final=out)
+        return decode_request(passed), None
+
     def _observe_latency(self, delta: Delta, started: float, last: float | None) -> float | None:
         if self.metrics is None or not delta.token_ids:
             return last
@@ -220,7 +245,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             "finish_reason": final.finish_reason if final else None}))
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        await self._admit_call(context, request)
+        await self.admit_call(context, request)
         report = GuardReport()
         try:
             if request.WhichOneof("input") == "chat":
@@ -233,7 +258,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.TokenizeResponse(token_ids=ids, forged_tokens=report.downgraded)
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext):
-        await self._admit_call(context, request)
+        await self.admit_call(context, request)
         vocab = self.llm.model_config.vocab_size
         bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -243,7 +268,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return pb.DetokenizeResponse(text=text)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):
-        await self._admit_call(context, request)
+        await self.admit_call(context, request)
         info = pb.ModelInfo(name=self.model_name, context_length=self.llm.max_model_len,
                             dtype=np.dtype(self.llm.dtype).name, vocab_size=self.llm.model_config.vocab_size)
         for axis, size in self.llm.mesh.shape.items():

@@ -225,3 +225,84 @@ class Inference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVChannelStub:
+    """Between workers of disaggregated serving: a decode worker (the front) sends a tokenized request
+    to a prefill worker, which computes the prompt and the first id and writes the prompt's full KV
+    pages to the KV store both share; the decode worker then maps those pages and decodes on.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Prefill = channel.unary_unary(
+                '/jaxinfer.v1.KVChannel/Prefill',
+                request_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.PrefillResponse.FromString,
+                _registered_method=True)
+
+
+class KVChannelServicer:
+    """Between workers of disaggregated serving: a decode worker (the front) sends a tokenized request
+    to a prefill worker, which computes the prompt and the first id and writes the prompt's full KV
+    pages to the KV store both share; the decode worker then maps those pages and decodes on.
+    """
+
+    def Prefill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVChannelServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Prefill': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefill,
+                    request_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.PrefillRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.PrefillResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'jaxinfer.v1.KVChannel', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('jaxinfer.v1.KVChannel', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVChannel:
+    """Between workers of disaggregated serving: a decode worker (the front) sends a tokenized request
+    to a prefill worker, which computes the prompt and the first id and writes the prompt's full KV
+    pages to the KV store both share; the decode worker then maps those pages and decodes on.
+    """
+
+    @staticmethod
+    def Prefill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.KVChannel/Prefill',
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.PrefillRequest.SerializeToString,
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
