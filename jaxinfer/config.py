@@ -169,6 +169,7 @@ class EngineConfig:
     kv_store: str = ""  # L3: a path or tensorstore kvstore URL for evicted prefix pages ("": none)
     kv_store_ttl_seconds: float = 0.0  # L3 entries older than this are ignored and swept (0: no limit)
     kv_store_max_bytes: int = 0  # L3 capacity for this model's pages: the oldest go first (0: no limit)
+    kv_store_sweep_seconds: float = 600.0  # how often a running engine sweeps L3 (expired, other writers' pages)
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True

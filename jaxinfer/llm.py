@@ -87,7 +87,8 @@ class LLM:
             identity = ModelIdentity(source, jnp.dtype(self.dtype).name, cfg.page_size, m.num_layers,
                                      m.num_kv_heads, m.head_dim)
             store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds, cfg.kv_store_max_bytes)
-        return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store)
+        return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store,
+                           cfg.kv_store_sweep_seconds)
 
     def encode(self, prompt: Prompt, report: GuardReport | None = None) -> list[int]:
         if isinstance(prompt, str):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import ml_dtypes
@@ -128,3 +129,36 @@ def test_reads_run_asynchronously_and_check_every_page(tmp_path):
     assert sorted(got) == sorted([KEYS[0], KEYS[2]]) and np.array_equal(got[KEYS[2]], page(2))
     assert (store.stats.hits, store.stats.corrupt, store.stats.misses) == (2, 1, 3)
     assert KEYS[1] not in store and not path.exists()
+
+
+def test_background_writes_are_complete_after_flush(tmp_path):
+    store = PageStore(str(tmp_path), IDENTITY)
+    for i, key in enumerate(KEYS):
+        store.put(key, page(i), wait=False)
+    store.flush()
+    reopened = PageStore(str(tmp_path), IDENTITY)
+    assert reopened.num_pages == len(KEYS) and np.array_equal(reopened.get(KEYS[3]), page(3))
+
+
+def test_opening_with_a_ttl_or_capacity_removes_what_is_stale(tmp_path):
+    writer = PageStore(str(tmp_path), IDENTITY)
+    writer.put(KEYS[0], page(0), now=1_000.0)
+    writer.put(KEYS[1], page(1))
+    writer.put(KEYS[2], page(2))
+    one = len(page(0).tobytes())
+    opened = PageStore(str(tmp_path), IDENTITY, ttl_seconds=3600, max_bytes=one)
+    assert opened.stats.expired == 1 and opened.stats.evicted == 1 and opened.num_pages == 1
+    assert PageStore(str(tmp_path), IDENTITY).keys() == [KEYS[2]]  # the newest stays
+
+
+def test_tiers_sweep_the_store_periodically(tmp_path):
+    from jaxinfer.kv.tiers import TieredPages
+
+    store = PageStore(str(tmp_path), IDENTITY)
+    tiers = TieredPages(None, store, sweep_seconds=0.05)
+    PageStore(str(tmp_path), IDENTITY).put(KEYS[4], page(4))  # another process's write
+    tiers.maybe_sweep()
+    assert KEYS[4] not in store  # not due yet
+    time.sleep(0.06)
+    tiers.maybe_sweep()
+    assert KEYS[4] in store

@@ -11,8 +11,9 @@ import numpy as np
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.engine import Engine
+from jaxinfer.kv.prefix_cache import chain_keys
 from jaxinfer.kv.store import ModelIdentity, PageStore
-from jaxinfer.kv.tiers import HostTier, TieredPages
+from jaxinfer.kv.tiers import HostPage, HostTier, TieredPages
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SYSTEM = "You are a terse assistant for a lighthouse keeper; answer in one line about tides and lamps. " * 2
@@ -42,6 +43,10 @@ def test_evicted_pages_restore_from_l2_and_l3_with_identical_outputs(smollm2_llm
     assert engine.generate([request])[0].token_ids == reference.token_ids
     evict_everything(engine)
     assert len(tiers.host) == 2 and tiers.stats.demoted_l3 >= full_pages - 2
+    keys = chain_keys(request.prompt_ids, smollm2_llm.config.page_size)
+    in_host = [tiers.host.get(key) for key in keys[full_pages - 2 : full_pages]]
+    # L2 holds the copy program's own output, in pinned host memory (which the CPU platform has too).
+    assert all(isinstance(page, HostPage) and page.group.sharding.memory_kind == "pinned_host" for page in in_host)
     computed_before = engine.stats.prompt_tokens_computed
     again = engine.generate([request])[0]
     assert again.token_ids == reference.token_ids

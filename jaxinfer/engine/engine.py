@@ -186,7 +186,8 @@ class Engine:
         waited = 0.0
         finished: list[RequestOutput] = []
         if self.scheduler.tiers is not None:
-            self.flush_tiers()  # pages evicted since the last step (by another engine, or a test) go down first
+            self._demote_evicted()  # pages evicted since the last step (by another engine, or a test) go down first
+            self.scheduler.tiers.maybe_sweep()
         chunks = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
         self._write_restored_pages()  # the step's own dispatch first copies out the pages evicted now
         launched = self._launch(chunks) if chunks else None
@@ -217,7 +218,12 @@ class Engine:
 
     # -- KV tiers ----------------------------------------------------------------------------
     def flush_tiers(self) -> None:
-        """Demotes every page evicted so far to the lower tiers now (waits for their copies)."""
+        """Demotes every page evicted so far to the lower tiers now (waits for their copies and writes)."""
+        self._demote_evicted()
+        if self.scheduler.tiers is not None and self.scheduler.tiers.store is not None:
+            self.scheduler.tiers.store.flush()
+
+    def _demote_evicted(self) -> None:
         self._write_restored_pages()
         self.runner.copy_evicted_pages()
         self.runner.demote_copied_pages()
@@ -252,7 +258,7 @@ class Engine:
         """Writes the pages the scheduler restored from L2/L3 into their device pages (before the step)."""
         imports, self.scheduler.imports = self.scheduler.imports, []
         if imports:
-            self.runner.import_pages([page for page, _ in imports], np.stack([data for _, data in imports]))
+            self.runner.import_pages(imports)
 
     # -- requests ----------------------------------------------------------------------------
     def _record_guard(self, request: Request) -> None:

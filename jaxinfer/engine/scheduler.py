@@ -36,7 +36,7 @@ from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.kv.prefix_cache import PrefixCachingPool, chain_keys
 from jaxinfer.kv.store import PageStore
-from jaxinfer.kv.tiers import TieredPages
+from jaxinfer.kv.tiers import HostPage, TieredPages
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,8 @@ class Scheduler:
         self._pending: dict[bytes, Sequence] = {}  # page key -> the running sequence that will compute it
         self._arrivals = 0
         self.tiers: TieredPages | None = None  # L2/L3 below the device pool (kv/tiers.py)
-        self.imports: list[tuple[int, np.ndarray]] = []  # restored pages the engine writes before the step
+        # Restored pages the engine writes before the step: (device page, HostPage or numpy page).
+        self.imports: list[tuple[int, HostPage | np.ndarray]] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

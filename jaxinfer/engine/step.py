@@ -17,6 +17,7 @@ one shape for every bucket; engines sharing a runner each pass their own previou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -30,7 +31,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 from jaxinfer.errors import CompileAfterWarmupError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
-from jaxinfer.kv.tiers import TieredPages
+from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
 from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
@@ -119,6 +120,11 @@ def _import(caches, pages: jax.Array, data: jax.Array):
                  for i, c in enumerate(caches))
 
 
+def _import_rows(device_sharding, caches, group: jax.Array, rows: jax.Array, pages: jax.Array):
+    """Writes rows of a host group (pinned host memory) into device pages: one host-to-device copy."""
+    return _import(caches, pages, jax.device_put(group, device_sharding)[rows])
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
@@ -132,6 +138,7 @@ class ModelRunner:
         self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
         self._export_fn = jax.jit(_export)
         self._import_fn = jax.jit(_import, donate_argnums=(0,))
+        self._import_rows_fn = None  # set by `warmup_tiers` where the platform has pinned host memory
         # Lower KV tiers for pages the pool evicts. Evicted pages are copied out before the next
         # step of any engine on this runner is dispatched, so no step can overwrite them first.
         self.tiers: TieredPages | None = None
@@ -237,11 +244,25 @@ class ModelRunner:
 
     # -- KV tiers: copy whole pages out of and into the pools --------------------------------
     def warmup_tiers(self) -> None:
-        """Compiles the page copy programs now rather than on the first eviction or restore."""
+        """Compiles the page copy programs now rather than on the first eviction or restore.
+
+        Where every device has pinned host memory, the copy out writes into it directly (so L2
+        holds pinned buffers) and the copy back reads from it.
+        """
         start = time.perf_counter()
-        for chunk in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
-            self.import_pages([0], np.zeros((1, *chunk.shape[1:]), chunk.dtype))
-        log.info("compiled the KV tier page copies in %.1fs", time.perf_counter() - start)
+        if self._import_rows_fn is None and self._has_pinned_host():
+            probe = self._export_fn(self.caches, jax.device_put(np.zeros(TIER_CHUNK, np.int32), self._replicated))
+            device = probe.sharding
+            self._export_fn = jax.jit(_export, out_shardings=device.with_memory_kind("pinned_host"))
+            self._import_rows_fn = jax.jit(functools.partial(_import_rows, device), donate_argnums=(0,))
+        for group in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
+            self.import_pages([(0, HostPage(group, 0))])
+            self.import_pages([(0, np.zeros(group.shape[1:], group.dtype))])
+        log.info("compiled the KV tier page copies in %.1fs (L2 in %s memory)", time.perf_counter() - start,
+                 "pinned host" if self._import_rows_fn else "pageable host")
+
+    def _has_pinned_host(self) -> bool:
+        return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in self.mesh.devices.flat)
 
     def copy_evicted_pages(self) -> None:
         """Enqueues copies of the pages the pool evicted since the last call (their content is intact)."""
@@ -250,12 +271,11 @@ class ModelRunner:
             self._exports.append(([key for _, key in evicted], self.export_pages([page for page, _ in evicted])))
 
     def demote_copied_pages(self) -> None:
-        """Hands the copied pages to the lower tiers (waits for the copies, which precede later steps)."""
+        """Hands the copied pages to the lower tiers (L2 keeps the host groups; L3 waits for their bytes)."""
         exports, self._exports = self._exports, []
-        for keys, chunks in exports:
-            pages = np.concatenate([np.asarray(chunk) for chunk in chunks])
-            for key, page in zip(keys, pages, strict=False):  # padding rows have no key
-                self.tiers.demote(key, page)
+        for keys, groups in exports:
+            for i, key in enumerate(keys):
+                self.tiers.demote(key, HostPage(groups[i // TIER_CHUNK], i % TIER_CHUNK))
 
     def export_pages(self, pages: list[int]) -> list[jax.Array]:
         """Enqueues copies of `pages` (in TIER_CHUNK groups, padded with page 0); host copies start at once.
@@ -267,12 +287,33 @@ class ModelRunner:
             group = np.zeros(TIER_CHUNK, np.int32)
             group[: len(pages[i : i + TIER_CHUNK])] = pages[i : i + TIER_CHUNK]
             out = self._export_fn(self.caches, jax.device_put(group, self._replicated))
-            out.copy_to_host_async()
+            if out.sharding.memory_kind != "pinned_host":
+                out.copy_to_host_async()
             chunks.append(out)
         return chunks
 
-    def import_pages(self, pages: list[int], data: np.ndarray) -> None:
-        """Writes host pages ([n, layers, 2, kv_heads, page_size, head_dim]) into device pages."""
+    def import_pages(self, entries: list[tuple[int, HostPage | np.ndarray]]) -> None:
+        """Writes host pages (`HostPage`s, or numpy [layers, 2, kv_heads, page_size, head_dim]) into device pages."""
+        by_group: dict[int, list[tuple[int, HostPage]]] = {}
+        arrays = []
+        for page, data in entries:
+            if isinstance(data, HostPage) and self._import_rows_fn is not None:
+                by_group.setdefault(id(data.group), []).append((page, data))
+            else:
+                arrays.append((page, data.numpy() if isinstance(data, HostPage) else data))
+        for rows in by_group.values():
+            self._import_group(rows)
+        if arrays:
+            self._import_arrays([page for page, _ in arrays], np.stack([data for _, data in arrays]))
+
+    def _import_group(self, rows: list[tuple[int, HostPage]]) -> None:
+        pages, picks = np.zeros(TIER_CHUNK, np.int32), np.zeros(TIER_CHUNK, np.int32)
+        pages[: len(rows)] = [page for page, _ in rows]  # padding writes row 0 into the null page
+        picks[: len(rows)] = [data.row for _, data in rows]
+        self.caches = self._import_rows_fn(self.caches, rows[0][1].group, jax.device_put(picks, self._replicated),
+                                           jax.device_put(pages, self._replicated))
+
+    def _import_arrays(self, pages: list[int], data: np.ndarray) -> None:
         for i in range(0, len(pages), TIER_CHUNK):
             group = np.zeros(TIER_CHUNK, np.int32)
             rows = data[i : i + TIER_CHUNK]

@@ -11,7 +11,9 @@ a value that fails its checksum or size (corruption, truncation) is deleted and 
 miss, so the caller recomputes it.
 
 Reads are asynchronous (`read_async`): tensorstore runs them on its own threads while the
-scheduler keeps stepping other requests. The store keeps an index of this model's values (size
+scheduler keeps stepping other requests. Demotions write asynchronously too (`put(wait=False)`;
+`flush` waits for them, and a failed write is logged and leaves the index); a prefill worker's
+hand-off waits for its writes before it answers. The store keeps an index of this model's values (size
 and creation time; built at open from a listing and each value's header, a byte-range read, then
 kept current by this process's writes) for the capacity limit (`max_bytes`: the oldest values
 go first), the gauges, and to skip rewriting a page that is already stored. Other processes'
@@ -25,12 +27,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import tensorstore as ts
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"jaxinfer-kv-page/1\n"
 HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this size find it
@@ -60,6 +65,7 @@ class StoreStats:
     corrupt: int = 0  # values dropped for a bad checksum, size or header
     expired: int = 0  # values removed by `sweep`
     evicted: int = 0  # values removed to stay under `max_bytes`
+    write_errors: int = 0
 
 
 @dataclass(frozen=True)
@@ -108,7 +114,10 @@ class PageStore:
         self._prefix = identity.digest() + "/"
         self.stats = StoreStats()
         self._index: dict[bytes, _Entry] = {}
-        self._scan()
+        self._writes: list[tuple[bytes, ts.Future]] = []  # asynchronous writes not yet known to be done
+        damaged = self._scan()
+        if ttl_seconds > 0 or max_bytes > 0:
+            self._remove_stale(damaged, time.time())
 
     # -- index -------------------------------------------------------------------------------
     @property
@@ -145,18 +154,43 @@ class PageStore:
         self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
         self._index.pop(page_key, None)
 
-    def put(self, page_key: bytes, page: np.ndarray, now: float | None = None) -> None:
-        """Stores one page ([layers, 2, kv_heads, page_size, head_dim]); replaces an earlier value."""
+    def put(self, page_key: bytes, page: np.ndarray, now: float | None = None, wait: bool = True) -> None:
+        """Stores one page ([layers, 2, kv_heads, page_size, head_dim]); replaces an earlier value.
+
+        With `wait=False` the write runs in the background (see `flush`)."""
         data = np.ascontiguousarray(page).tobytes()
         created = time.time() if now is None else now
         header = {"shape": list(page.shape), "dtype": str(page.dtype), "nbytes": len(data),
                   "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest(), "created": created}
         value = MAGIC + json.dumps(header).encode() + b"\n" + data
-        self._kv.write(self._key(page_key), value).result()
+        future = self._kv.write(self._key(page_key), value)
+        if wait:
+            future.result()
+        else:
+            self._writes.append((page_key, future))
+            self._reap_writes()
         self._index[page_key] = _Entry(len(data), created)
         self.stats.writes += 1
         self.stats.bytes_written += len(value)
         self._enforce_capacity()
+
+    def _reap_writes(self, block: bool = False) -> None:
+        pending = []
+        for page_key, future in self._writes:
+            if not (block or future.done()):
+                pending.append((page_key, future))
+                continue
+            try:
+                future.result()
+            except Exception as exc:  # a full disk or a lost connection: the page is simply not stored
+                log.warning("KV store write of %s failed: %s", page_key.hex(), exc)
+                self._index.pop(page_key, None)
+                self.stats.write_errors += 1
+        self._writes = pending
+
+    def flush(self) -> None:
+        """Waits for every background write."""
+        self._reap_writes(block=True)
 
     def _enforce_capacity(self) -> None:
         if self.max_bytes <= 0:
@@ -231,8 +265,10 @@ class PageStore:
     def sweep(self, now: float | None = None) -> int:
         """Re-reads the listing and headers (pages other processes wrote enter the index), removes
         expired and unreadable values, and enforces the capacity; returns how many were removed."""
-        now = time.time() if now is None else now
-        damaged = self._scan()
+        self.flush()
+        return self._remove_stale(self._scan(), time.time() if now is None else now)
+
+    def _remove_stale(self, damaged: list[bytes], now: float) -> int:
         expired = [k for k, e in self._index.items() if self.ttl_seconds > 0 and e.created + self.ttl_seconds < now]
         for page_key in damaged + expired:
             self._delete(page_key)

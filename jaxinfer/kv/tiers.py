@@ -6,16 +6,28 @@ out of device pages continues down the tiers; a hit is restored into a fresh dev
 counted as a hit of its tier (the scheduler reads L3 asynchronously: `PageStore.read_async`).
 Pages are `[layers, 2, kv_heads, page_size, head_dim]` arrays. A page already in L3 is not
 written again when it falls out of L2 a second time.
+
+L2 pages are `HostPage`s: a row of a host copy of a group of pages that the runner's copy program
+wrote straight into pinned host memory (`memory_kind="pinned_host"`, where the platform has it:
+the CPU, GPUs and TPUs under PJRT), so demotion and restore are DMA transfers with no staging copy.
+A group stays allocated while any of its pages is in L2, so L2 can hold up to one group's worth
+of bytes more than `capacity` pages; `num_bytes` counts what is really held. Pages for L3 are
+numpy arrays (`HostPage.numpy`).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import logging
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxinfer.kv.store import PageStore
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -26,13 +38,33 @@ class TierStats:
     demoted_l3: int = 0
 
 
+@dataclass(frozen=True, eq=False)
+class HostPage:
+    """Page `row` of a host copy of several pages (`[pages, layers, 2, kv_heads, page_size, head_dim]`)."""
+
+    group: jax.Array
+    row: int
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self.group)[self.row]
+
+
+def as_numpy(page: HostPage | np.ndarray) -> np.ndarray:
+    return page.numpy() if isinstance(page, HostPage) else page
+
+
+def _group_of(page: HostPage | np.ndarray) -> object:
+    return page.group if isinstance(page, HostPage) else page
+
+
 class HostTier:
     """L2: up to `capacity` pages in host memory, least recently used first out."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._pages: OrderedDict[bytes, np.ndarray] = OrderedDict()
-        self.num_bytes = 0
+        self._pages: OrderedDict[bytes, HostPage | np.ndarray] = OrderedDict()
+        self._groups: Counter[int] = Counter()  # id(group) -> pages of it held
+        self.num_bytes = 0  # bytes of the groups held
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -40,38 +72,62 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._pages
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def _hold(self, page: HostPage | np.ndarray) -> None:
+        group = _group_of(page)
+        if self._groups[id(group)] == 0:
+            self.num_bytes += group.nbytes
+        self._groups[id(group)] += 1
+
+    def _release(self, page: HostPage | np.ndarray) -> None:
+        group = _group_of(page)
+        self._groups[id(group)] -= 1
+        if self._groups[id(group)] == 0:
+            del self._groups[id(group)]
+            self.num_bytes -= group.nbytes
+
+    def get(self, key: bytes) -> HostPage | np.ndarray | None:
         page = self._pages.get(key)
         if page is not None:
             self._pages.move_to_end(key)
         return page
 
-    def drain(self) -> list[tuple[bytes, np.ndarray]]:
+    def drain(self) -> list[tuple[bytes, HostPage | np.ndarray]]:
         """Takes every page out, least recently used first."""
         pages, self._pages = list(self._pages.items()), OrderedDict()
+        self._groups.clear()
         self.num_bytes = 0
         return pages
 
-    def put(self, key: bytes, page: np.ndarray) -> list[tuple[bytes, np.ndarray]]:
+    def put(self, key: bytes, page: HostPage | np.ndarray) -> list[tuple[bytes, HostPage | np.ndarray]]:
         """Stores a page; returns the pages pushed out to make room (for the tier below)."""
         if key in self._pages:
-            self.num_bytes -= self._pages[key].nbytes
+            self._release(self._pages[key])
         self._pages[key] = page
         self._pages.move_to_end(key)
-        self.num_bytes += page.nbytes
+        self._hold(page)
         pushed = []
         while len(self._pages) > self.capacity:
             pushed.append(self._pages.popitem(last=False))
-            self.num_bytes -= pushed[-1][1].nbytes
+            self._release(pushed[-1][1])
         return pushed
 
 
 class TieredPages:
-    def __init__(self, host: HostTier | None = None, store: PageStore | None = None):
+    def __init__(self, host: HostTier | None = None, store: PageStore | None = None, sweep_seconds: float = 0.0):
         self.host, self.store = host, store
         self.stats = TierStats()
+        self.sweep_seconds = sweep_seconds  # how often `maybe_sweep` sweeps the store (0: never)
+        self._last_sweep = time.monotonic()
 
-    def demote(self, key: bytes, page: np.ndarray) -> None:
+    def maybe_sweep(self) -> None:
+        """Sweeps the store when `sweep_seconds` have passed since the last sweep (called between steps)."""
+        if self.store is None or self.sweep_seconds <= 0 or time.monotonic() - self._last_sweep < self.sweep_seconds:
+            return
+        removed = self.store.sweep()
+        self._last_sweep = time.monotonic()
+        log.info("KV store sweep: %d values removed, %d pages held", removed, self.store.num_pages)
+
+    def demote(self, key: bytes, page: HostPage | np.ndarray) -> None:
         pushed = [(key, page)]
         if self.host is not None:
             pushed = self.host.put(key, page)
@@ -80,21 +136,22 @@ class TieredPages:
 
     def persist(self) -> int:
         """Moves every L2 page down to L3 (before exit, so a later process can use them); returns the count."""
-        if self.host is None or self.store is None:
+        if self.store is None:
             return 0
-        pages = self.host.drain()
+        pages = self.host.drain() if self.host is not None else []
         self._to_store(pages)
+        self.store.flush()
         return len(pages)
 
-    def _to_store(self, pages: list[tuple[bytes, np.ndarray]]) -> None:
+    def _to_store(self, pages: list[tuple[bytes, HostPage | np.ndarray]]) -> None:
         if self.store is None:
             return  # no L3: pages pushed out of L2 are dropped
         for key, page in pages:
             if key not in self.store:  # restored from L3 earlier: the stored copy is the same
-                self.store.put(key, page)
+                self.store.put(key, as_numpy(page), wait=False)
                 self.stats.demoted_l3 += 1
 
-    def host_page(self, key: bytes) -> np.ndarray | None:
+    def host_page(self, key: bytes) -> HostPage | np.ndarray | None:
         return self.host.get(key) if self.host is not None else None
 
     def in_host(self, key: bytes) -> bool:
