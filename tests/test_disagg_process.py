@@ -131,3 +131,25 @@ def test_roles_are_checked_at_start(tmp_path):
         config.write_text(f"[serve]\n{serve}\n[engine]\n{engine}\n")
         with pytest.raises(ConfigError, match=re.escape(wrong)):
             load_configs(config)
+
+
+def test_a_router_with_no_live_peer_hands_the_request_back_for_local_prefill():
+    import asyncio
+    import socket
+
+    from jaxinfer.engine.params import Request
+    from serving.disagg import PrefillRouter
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{probe.getsockname()[1]}"
+
+    async def route():
+        router = PrefillRouter((dead, dead))
+        try:
+            request = Request([1, 2, 3], SamplingParams(max_tokens=4))
+            return await router.prefill(request, (), timeout=5), router.remote, router.local
+        finally:
+            await router.close()
+
+    assert asyncio.run(route()) == (None, 0, 1)

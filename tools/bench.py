@@ -7,6 +7,7 @@
     python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
     python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
+    python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -16,6 +17,7 @@ do. Each jaxinfer measurement is preceded by a short run that touches every buck
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -270,6 +272,63 @@ def bench_tiers(args: argparse.Namespace, llm=None) -> None:
                                                     for k, v in results.items() if k != "recomputed"}))
 
 
+# -- disagg: the prefill/decode hand-off through the KV store, against one engine ---------------------
+def bench_disagg(args: argparse.Namespace, llm=None) -> None:
+    """Per prompt of `--prefix-len` tokens and `--out-len` new ones: one engine's time to the first and
+    last id, against the prefill worker's time (prompt, first id, pages written) plus the decode
+    worker's time to its first new id (pages read and restored, partial page recomputed) and to the
+    end. Both workers are engines on one runner here; the decode worker's device pool is emptied
+    before each request, as if it ran on another machine."""
+    from jaxinfer.engine.disagg import decode_request, handoff, prefill_request
+    from jaxinfer.kv.store import ModelIdentity, PageStore
+    from jaxinfer.kv.tiers import TieredPages
+
+    llm = llm or load_llm(args)
+    prompts = random_prompts(llm, [args.prefix_len] * (args.repeats + 1), seed=9)
+    m = llm.model_config
+    identity = ModelIdentity("bench", np.dtype(llm.dtype).name, llm.config.page_size, m.num_layers,
+                             m.num_kv_heads, m.head_dim)
+    params = exact(args.out_len)
+
+    def first_and_last(engine, request) -> tuple[float, float, object]:
+        start, first = time.perf_counter(), None
+        seq = engine.add_request(request)
+        while engine.has_unfinished():
+            finished = engine.step()
+            if first is None and (len(seq.output_ids) > len(request.generated_ids) or finished):
+                first = time.perf_counter() - start
+            if finished:
+                return first, time.perf_counter() - start, finished[0]
+        raise RuntimeError("the request did not finish")
+
+    with tempfile.TemporaryDirectory() as store_dir:
+        single = fresh_engine(llm, prefix_caching=False)
+        tiers = TieredPages(None, PageStore(store_dir, identity))
+        workers = fresh_engine(llm, tiers=tiers)  # one engine plays both roles, emptied in between
+        rows = []
+        for i, prompt in enumerate(prompts):
+            one_first, one_total, reference = first_and_last(single, llm.request(prompt, params))
+            request = llm.request(prompt, dataclasses.replace(params, seed=i))
+            started = time.perf_counter()
+            passed = handoff(request, workers.generate([prefill_request(request)])[0])
+            prefill_s = time.perf_counter() - started
+            with workers.pool.hold(keep_free=0):
+                workers.pool.take_evicted()  # the decode worker's pool starts empty, nothing demoted
+            decode_first, decode_total, out = first_and_last(workers, decode_request(passed))
+            assert out.token_ids == reference.token_ids, "disaggregated output differs from one engine's"
+            if i == 0:
+                continue  # warms the page copy and import paths
+            rows.append((one_first, one_total, prefill_s, decode_first, decode_total))
+        runs = np.median(np.array(rows), axis=0)
+        workers.runner.tiers, workers.pool.track_evictions = None, False
+    one_first, one_total, prefill_s, decode_first, decode_total = (float(x) for x in runs)
+    emit(dict(what="jaxinfer_disagg", prompt_tokens=args.prefix_len, new_tokens=args.out_len,
+              stored_pages=passed.stored_pages, single_ttft_s=round(one_first, 3), single_total_s=round(one_total, 3),
+              prefill_worker_s=round(prefill_s, 3), decode_first_new_id_s=round(decode_first, 3),
+              decode_total_s=round(decode_total, 3), disagg_ttft_s=round(prefill_s + decode_first, 3),
+              handoff_overhead_s=round(prefill_s + decode_first - one_first, 3)))
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -290,7 +349,7 @@ def main() -> None:
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
-                 "tiers": bench_tiers, "all": bench_all}
+                 "tiers": bench_tiers, "disagg": bench_disagg, "all": bench_all}
     for name in workloads:
         w = sub.add_parser(name)
         w.add_argument("--requests", type=int, default=64)

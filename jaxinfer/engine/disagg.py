@@ -10,7 +10,8 @@ pool (asynchronously, as any L3 hit), recomputes the prompt's last partial page 
 number of ids generated, so the output equals the single-engine output (greedy: exactly).
 
 Only full pages travel: a partial page is cheaper to recompute than to store and look up, as
-LMCache does for its last partial chunk.
+LMCache does for its last partial chunk. The prefill worker streams pages out as its prefill
+chunks complete (`PagePublisher`), so most writes overlap the rest of the prefill.
 """
 
 from __future__ import annotations
@@ -19,7 +20,14 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
+import jax
+import numpy as np
+
+from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import MAX_SEED, Request, RequestOutput
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.engine.step import TIER_CHUNK, ModelRunner
+from jaxinfer.kv.store import PageStore
 
 
 @dataclass(frozen=True)
@@ -60,3 +68,44 @@ def decode_request(handoff: Handoff) -> Request:
     return dataclasses.replace(handoff.request, generated_ids=list(handoff.generated_ids),
                                generated_logprobs=list(handoff.generated_logprobs),
                                stored_pages=handoff.stored_pages)
+
+
+class PagePublisher:
+    """Writes a prefill worker's prompt pages to the KV store while its prefill runs.
+
+    `publish` is called after each step that computed some of a `publish_kv` request's pages is
+    dispatched: it queues copies of the newly full prompt pages (after that step, so they read
+    what it wrote). `write_ready` hands the copies of read-back steps to the store as background
+    writes; `finish` does the rest and waits, before the request's output is returned. Full prompt
+    pages are never written again, so copying them while later steps run is safe.
+    """
+
+    def __init__(self, runner: ModelRunner, store: PageStore, page_size: int, stats: EngineStats):
+        self.runner, self.store, self.page_size, self.stats = runner, store, page_size, stats
+        self._copies: list[tuple[list[bytes], list[jax.Array]]] = []
+
+    def publish(self, seq: Sequence) -> None:
+        full = min(len(seq.page_keys), len(seq.prompt_ids) // self.page_size)
+        if full <= seq.published_pages:
+            return
+        new = range(seq.published_pages, full)
+        seq.published_pages = full
+        missing = [i for i in new if seq.page_keys[i] not in self.store]
+        if missing:
+            groups = self.runner.export_pages([seq.pages[i] for i in missing])
+            self._copies.append(([seq.page_keys[i] for i in missing], groups))
+
+    def write_ready(self) -> None:
+        copies, self._copies = self._copies, []
+        for keys, groups in copies:
+            arrays = [np.asarray(group) for group in groups]
+            for i, key in enumerate(keys):
+                self.store.put(key, arrays[i // TIER_CHUNK][i % TIER_CHUNK], wait=False)
+            self.stats.pages_published += len(keys)
+
+    def finish(self, seq: Sequence) -> int:
+        """Writes the request's remaining prompt pages and waits for all; returns the pages stored."""
+        self.publish(seq)
+        self.write_ready()
+        self.store.flush()
+        return seq.published_pages

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxinfer.engine.disagg import PagePublisher
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
@@ -73,6 +74,8 @@ class Engine:
             runner.tiers, self.pool.track_evictions = tiers, True
             runner.warmup_tiers()
         self.scheduler.tiers = runner.tiers  # and come back on a hit
+        store = runner.tiers.store if runner.tiers is not None else None
+        self._publisher = PagePublisher(runner, store, self.cfg.page_size, self.stats) if store is not None else None
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1
         self._inflight: _InflightStep | None = None
@@ -236,24 +239,6 @@ class Engine:
             self.flush_tiers()
         self.scheduler.tiers.persist()
 
-    def _store_prompt_pages(self, seq: Sequence) -> int:
-        """Writes the prompt's full pages to the KV store (a prefill worker's hand-off); returns how many.
-
-        They are never written again (later positions fall in later pages), so copying them after
-        the step in flight is safe; the write is done before the output is returned.
-        """
-        count = min(len(seq.page_keys), len(seq.prompt_ids) // self.cfg.page_size)
-        store = self.scheduler.tiers.store
-        keys = seq.page_keys[:count]
-        missing = [i for i, key in enumerate(keys) if key not in store]
-        if missing:
-            chunks = self.runner.export_pages([seq.pages[i] for i in missing])
-            pages = np.concatenate([np.asarray(chunk) for chunk in chunks])
-            for row, i in enumerate(missing):
-                store.put(keys[i], pages[row])
-        self.stats.pages_published += len(missing)
-        return count
-
     def _write_restored_pages(self) -> None:
         """Writes the pages the scheduler restored from L2/L3 into their device pages (before the step)."""
         imports, self.scheduler.imports = self.scheduler.imports, []
@@ -300,6 +285,8 @@ class Engine:
                 seq.inflight += 1
                 seq.last_row = row
             self.scheduler.publish_pages(seq)
+            if seq.request.publish_kv:
+                self._publisher.publish(seq)
         return _InflightStep(chunks, result)
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> HostBatch:
@@ -338,6 +325,8 @@ class Engine:
         started = time.perf_counter()
         tokens, logprobs = step.result.fetch()
         waited = time.perf_counter() - started
+        if self._publisher is not None:
+            self._publisher.write_ready()
         for row, chunk in enumerate(step.chunks):
             seq = chunk.seq
             if not chunk.samples:
@@ -348,7 +337,7 @@ class Engine:
                 continue
             self._append(seq, int(tokens[row]), float(logprobs[row]))
             if seq.finish_reason is not None:
-                stored = self._store_prompt_pages(seq) if seq.request.publish_kv else 0
+                stored = self._publisher.finish(seq) if seq.request.publish_kv else 0
                 self.scheduler.finish(seq)
                 finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
             else:

@@ -141,7 +141,7 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)
-        seq.pages, seq.page_keys, seq.num_computed = [], [], 0
+        seq.pages, seq.page_keys, seq.num_computed, seq.published_pages = [], [], 0, 0
         for key in seq.pending_keys:
             if self._pending.get(key) is seq:
                 del self._pending[key]

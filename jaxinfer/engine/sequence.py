@@ -33,6 +33,7 @@ class Sequence:
     stop_at: int | None = None  # where a stop string starts in the decoded output
     arrival: int = 0  # admission order, for preempting the newest
     store_read: PendingRead | None = None  # prefix pages being read from the KV store before admission
+    published_pages: int = 0  # prompt pages handed to the KV store (a prefill worker's `publish_kv`)
 
     @property
     def prompt_ids(self) -> list[int]:
