@@ -54,7 +54,8 @@ def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -
     return jnp.where(params.temperature <= 0.0, greedy, sampled)
 
 
-def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
+def _filter(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row's sampling set: (vocabulary order by scaled logit, sorted scaled logits, kept mask)."""
     vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)
     order = jnp.argsort(-scaled)
@@ -69,7 +70,27 @@ def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Arr
     kept = kept / jnp.sum(kept)
     keep &= jnp.cumsum(kept) - kept < top_p
     keep = keep.at[0].set(True)
+    return order, sorted_logits, keep
+
+
+def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
+    order, sorted_logits, keep = _filter(logits, temperature, top_k, top_p, min_p)
     key = jax.random.fold_in(jax.random.key(seed), step)
-    gumbel = jax.random.gumbel(key, (vocab,), jnp.float32)
+    gumbel = jax.random.gumbel(key, sorted_logits.shape, jnp.float32)
     choice = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf))
     return order[choice].astype(jnp.int32)
+
+
+def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
+    """The distribution `sample` draws from, [S, V]: one-hot on the argmax for greedy rows, else the
+    tempered softmax over the kept set (top-k, min-p, top-p), with banned ids at zero."""
+    logits = _ban(logits, params.banned)
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+
+    def one(row, temperature, top_k, top_p, min_p):
+        order, sorted_logits, keep = _filter(row, temperature, top_k, top_p, min_p)
+        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+        return jnp.zeros_like(probs).at[order].set(probs)
+
+    sampled = jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+    return jnp.where((params.temperature <= 0.0)[:, None], greedy, sampled)
