@@ -176,3 +176,25 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
     assert out.usage.cached_tokens == decode.stats.prefix_hit_tokens_l3 == first.stored_pages * page
     assert decode.stats.prompt_tokens_computed == len(request.prompt_ids) - first.stored_pages * page
     assert decode.pool.num_free == decode.pool.capacity
+
+
+def test_a_damaged_stored_page_is_recomputed_not_used(smollm2_llm, tmp_path):
+    store = PageStore(str(tmp_path), identity(smollm2_llm))
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                    tiers=TieredPages(None, store))
+    request = smollm2_llm.request(SYSTEM + "Where is the fog horn?", GREEDY)
+    reference = engine.generate([request])[0]
+    evict_everything(engine)
+    page = smollm2_llm.config.page_size
+    keys = chain_keys(request.prompt_ids, page)
+    damaged = tmp_path / store.identity.digest() / keys[2].hex()
+    raw = bytearray(damaged.read_bytes())
+    raw[-7] ^= 0xFF  # one flipped byte in the page's data
+    damaged.write_bytes(bytes(raw))
+    computed_before = engine.stats.prompt_tokens_computed
+    again = engine.generate([request])[0]
+    assert again.token_ids == reference.token_ids
+    assert store.stats.corrupt == 1 and engine.stats.prefix_hit_tokens_l3 == 2 * page  # the chain stops there
+    assert engine.stats.prompt_tokens_computed - computed_before == len(request.prompt_ids) - 2 * page
+    evict_everything(engine)
+    assert keys[2] in store and store.get(keys[2]) is not None  # recomputed, evicted again, stored intact

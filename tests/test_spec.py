@@ -96,7 +96,7 @@ def test_greedy_accepts_exactly_the_target_argmax():
 
 
 def test_nothing_proposed_samples_exactly_as_the_plain_sampler():
-    target, draft = tiny_models(seed=6)
+    target, _ = tiny_models(seed=6)
     params = inputs(500, temperature=1.0, top_p=0.95)
     logits = jnp.broadcast_to(target, (500, PROPOSALS + 1, VOCAB))
     tokens, counts, _ = verify(logits, jnp.zeros((500, PROPOSALS, VOCAB)), jnp.zeros((500, PROPOSALS), jnp.int32),
