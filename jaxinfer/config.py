@@ -170,6 +170,9 @@ class EngineConfig:
     kv_store_ttl_seconds: float = 0.0  # L3 entries older than this are ignored and swept (0: no limit)
     kv_store_max_bytes: int = 0  # L3 capacity for this model's pages: the oldest go first (0: no limit)
     kv_store_sweep_seconds: float = 600.0  # how often a running engine sweeps L3 (expired, other writers' pages)
+    draft_model: str = ""  # speculative decoding: a registry name or path of a model with the same vocabulary
+    num_draft_tokens: int = 4  # proposals per round at most
+    draft_confidence: float = 0.0  # a round's proposals stop at the first whose draft top probability is lower
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True
@@ -191,6 +194,10 @@ class EngineConfig:
             raise ConfigError(f"engine.tokenizer_guard must be downgrade or reject, got {self.tokenizer_guard!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ConfigError(f"engine.dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.num_draft_tokens < 1:
+            raise ConfigError(f"engine.num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
+        if not 0.0 <= self.draft_confidence <= 1.0:
+            raise ConfigError(f"engine.draft_confidence must be in [0, 1], got {self.draft_confidence}")
         if self.attention_backend not in ("auto", "reference"):
             raise ConfigError(f"engine.attention_backend must be auto or reference, got {self.attention_backend!r}")
 

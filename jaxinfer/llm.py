@@ -16,6 +16,7 @@ from jaxinfer import tokenizer as tokenizers_
 from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
+from jaxinfer.engine.spec_step import SpecRunner
 from jaxinfer.engine.step import ModelRunner
 from jaxinfer.errors import RequestError
 from jaxinfer.kv.store import ModelIdentity, PageStore
@@ -71,6 +72,9 @@ class LLM:
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)
         self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)
+        if cfg.draft_model:  # speculative decoding: the draft's KV pools share the target's page ids
+            draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend)
+            self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
         self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, tiers=self._kv_tiers(checkpoint))
         self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)

@@ -34,6 +34,7 @@ from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
+from jaxinfer.engine.speculator import Round, Speculator
 from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
 from jaxinfer.kv.tiers import TieredPages
@@ -76,6 +77,11 @@ class Engine:
         self.scheduler.tiers = runner.tiers  # and come back on a hit
         store = runner.tiers.store if runner.tiers is not None else None
         self._publisher = PagePublisher(runner, store, self.cfg.page_size, self.stats) if store is not None else None
+        self.speculator: Speculator | None = None
+        if runner.spec is not None:  # a draft model: every step is a speculative round, not overlapped
+            self.speculator = Speculator(runner.spec, self.scheduler, self.stats, self.cfg.draft_confidence,
+                                         max_model_len)
+            self.async_scheduling = False
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1
         self._inflight: _InflightStep | None = None
@@ -185,6 +191,8 @@ class Engine:
 
         With overlap off the step is read back at once, so its own finished requests are returned.
         """
+        if self.speculator is not None:
+            return self._speculative_step()
         started = time.perf_counter()
         waited = 0.0
         finished: list[RequestOutput] = []
@@ -208,6 +216,86 @@ class Engine:
         self.stats.step_seconds += elapsed
         self.stats.host_seconds += elapsed - waited
         return finished
+
+    # -- speculative decoding (engine/speculator.py) -------------------------------------------
+    def _speculative_step(self) -> list[RequestOutput]:
+        """One synchronous round: schedule, propose with the draft, verify with the target, apply."""
+        started = time.perf_counter()
+        finished: list[RequestOutput] = []
+        if self.scheduler.tiers is not None:
+            self._demote_evicted()
+            self.scheduler.tiers.maybe_sweep()
+        chunks = self.scheduler.schedule(self.speculator.k) if self.scheduler.has_unfinished() else []
+        self._write_restored_pages()
+        if not chunks:
+            if self.has_unfinished() and not self.scheduler.wait_for_store():
+                raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
+            return finished
+        plan = self.speculator.plan(chunks)
+        drafting = time.perf_counter()
+        self.speculator.propose(plan, self.runner.empty_batch, self.runner.bucket_for)
+        self.stats.spec_draft_seconds += time.perf_counter() - drafting
+        batch = self._build_batch(plan.chunks, plan.drafts)
+        result = self.runner.spec.verify(batch, self._verify_arrays(plan, batch.num_tokens), plan.proposals)
+        self._count_launch(plan.chunks, batch)
+        waiting = time.perf_counter()
+        tokens, counts, logprobs = result.fetch()
+        waited = time.perf_counter() - waiting
+        if self._publisher is not None:
+            self._publisher.write_ready()
+        for row, chunk in enumerate(plan.chunks):
+            if chunk.samples:
+                self._apply_round(chunk.seq, tokens[row, : counts[row]], logprobs[row], finished)
+        self.stats.spec_proposed += sum(len(d) for d in plan.drafts)
+        elapsed = time.perf_counter() - started
+        self.stats.step_seconds += elapsed
+        self.stats.host_seconds += elapsed - waited
+        return finished
+
+    def _verify_arrays(self, plan: Round, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where each row's scored positions are in the flat batch, and the proposals as arrays."""
+        logits_rows, draft_tokens, num_proposed = self.runner.spec.empty_spec(num_tokens)
+        cursor = 0
+        for row, chunk in enumerate(plan.chunks):
+            drafts = plan.drafts[row] if row < len(plan.drafts) else []
+            last = cursor + chunk.count - 1  # the chunk's last token, then one position per proposal
+            logits_rows[row] = np.minimum(last + np.arange(logits_rows.shape[1]), last + len(drafts))
+            draft_tokens[row, : len(drafts)] = drafts
+            num_proposed[row] = len(drafts)
+            cursor += chunk.count + len(drafts)
+        return logits_rows, draft_tokens, num_proposed
+
+    def _count_launch(self, chunks: list[ScheduledChunk], batch: HostBatch) -> None:
+        self.stats.steps += 1
+        self.stats.tokens_scheduled += sum(c.count for c in chunks)
+        self.stats.padded_tokens += batch.num_tokens
+        for chunk in chunks:
+            seq = chunk.seq
+            if chunk.start < len(seq.prompt_ids):
+                self.stats.prompt_tokens_computed += min(chunk.count, len(seq.prompt_ids) - chunk.start)
+            seq.num_computed = chunk.start + chunk.count
+            self.scheduler.publish_pages(seq)
+            if seq.request.publish_kv:
+                self._publisher.publish(seq)
+
+    def _apply_round(self, seq: Sequence, tokens: np.ndarray, logprobs: np.ndarray,
+                     finished: list[RequestOutput]) -> None:
+        """Appends the accepted proposals (their KV is valid) and the drawn token; frees rejected pages."""
+        accepted = len(tokens) - 1
+        self.stats.spec_accepted += accepted
+        for j, token in enumerate(tokens):
+            self._append(seq, int(token), float(logprobs[j]))
+            if j < accepted:
+                seq.num_computed += 1
+            if seq.finish_reason is not None:
+                break
+        if seq.finish_reason is not None:
+            stored = self._publisher.finish(seq) if seq.request.publish_kv else 0
+            self.scheduler.finish(seq)
+            finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
+            return
+        self.scheduler.trim(seq)
+        self.scheduler.publish_pages(seq)
 
     def abort(self, index: int) -> RequestOutput | None:
         """Cancels a queued or running request now; its pages are free before the next step."""
@@ -289,17 +377,20 @@ class Engine:
                 self._publisher.publish(seq)
         return _InflightStep(chunks, result)
 
-    def _build_batch(self, chunks: list[ScheduledChunk]) -> HostBatch:
-        total = sum(c.count for c in chunks)
+    def _build_batch(self, chunks: list[ScheduledChunk], drafts: list[list[int]] | None = None) -> HostBatch:
+        """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk."""
+        drafts = drafts or []
+        extra = [len(drafts[row]) if row < len(drafts) else 0 for row in range(len(chunks))]
+        total = sum(c.count for c in chunks) + sum(extra)
         batch = self.runner.empty_batch(self.runner.bucket_for(total))
         page_size, cursor = self.cfg.page_size, 0
         for row, chunk in enumerate(chunks):
-            seq, end = chunk.seq, cursor + chunk.count
-            positions = np.arange(chunk.start, chunk.start + chunk.count, dtype=np.int32)
+            seq, end = chunk.seq, cursor + chunk.count + extra[row]
+            positions = np.arange(chunk.start, chunk.start + chunk.count + extra[row], dtype=np.int32)
             pages = np.asarray(seq.pages, np.int32)
-            known = seq.tokens(chunk.start, chunk.count)
+            known = seq.tokens(chunk.start, chunk.count) + (drafts[row] if extra[row] else [])
             batch.tokens[cursor : cursor + len(known)] = known
-            if len(known) < chunk.count:  # the newest id is still on the device: read it there
+            if len(known) < chunk.count + extra[row]:  # the newest id is still on the device: read it there
                 assert len(known) == chunk.count - 1 and seq.inflight == 1, "only the newest id can be unknown"
                 batch.from_prev[end - 1] = seq.last_row
             batch.positions[cursor:end] = positions

@@ -21,6 +21,10 @@ class EngineStats:
     prefix_hit_tokens_l3: int = 0  # of which restored from the tensorstore tier
     store_reads: int = 0  # asynchronous KV store reads started for waiting requests
     store_read_seconds: float = 0.0  # from each read's start until the scheduler saw it done
+    spec_proposed: int = 0  # draft tokens proposed for verification
+    spec_accepted: int = 0  # of which the target accepted
+    spec_draft_calls: int = 0  # draft propose calls (one position each, over the speculating rows)
+    spec_draft_seconds: float = 0.0  # wall time of the proposal loops (part of step_seconds)
     pages_published: int = 0  # prompt pages a prefill worker wrote to the KV store for decode workers
     aborted: int = 0
     discarded_samples: int = 0  # ids sampled for a sequence that had finished meanwhile (overlap's cost)
@@ -47,5 +51,7 @@ def snapshot(
         "host_ms_per_step": 1000 * stats.host_seconds / steps,
         "host_fraction": stats.host_seconds / stats.step_seconds if stats.step_seconds else 0.0,
         "prefix_hit_rate": stats.prefix_hit_tokens / queried if queried else 0.0,
+        "spec_acceptance_rate": stats.spec_accepted / stats.spec_proposed if stats.spec_proposed else 0.0,
+        "spec_draft_share": stats.spec_draft_seconds / stats.step_seconds if stats.step_seconds else 0.0,
         **(tiers or {}),
     }

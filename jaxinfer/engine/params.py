@@ -27,6 +27,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
+    num_draft_tokens: int | None = None  # speculative proposals per round: None = the engine's, 0 = off
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +45,8 @@ class SamplingParams:
         _float_field("min_p", self.min_p, low=0.0, high=1.0)
         if self.seed is not None:
             _int_field("seed", self.seed, low=0, high=MAX_SEED)
+        if self.num_draft_tokens is not None:
+            _int_field("num_draft_tokens", self.num_draft_tokens, low=0, high=64)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop[{i}]: must be a non-empty string")

@@ -80,8 +80,10 @@ class Scheduler:
         self._release(seq)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self) -> list[ScheduledChunk]:
-        budget = self.cfg.max_tokens_per_step
+    def schedule(self, draft_room: int = 0) -> list[ScheduledChunk]:
+        """The chunks of the next step; `draft_room` tokens of the budget are kept for each decode
+        (speculative proposals, which `reserve` gives pages to)."""
+        budget, reserved = self.cfg.max_tokens_per_step, 0
         chunks: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             count = min(seq.num_tokens - seq.num_computed, budget)
@@ -96,8 +98,20 @@ class Scheduler:
             if seq in self.running:
                 chunks.append(ScheduledChunk(seq, seq.num_computed, count))
                 budget -= count
-        chunks += self._admit(budget)
+                reserved += draft_room if count == 1 else 0
+        chunks += self._admit(max(0, budget - reserved))
         return chunks
+
+    def reserve(self, seq: Sequence, upto: int) -> bool:
+        """Pages for positions < upto if the pool has them now (no preemption); False otherwise."""
+        return self._pages_for(seq, upto)
+
+    def trim(self, seq: Sequence) -> None:
+        """Gives back pages past the sequence's tokens (reserved for proposals that were rejected)."""
+        keep = math.ceil(seq.num_tokens / self.cfg.page_size)
+        if len(seq.pages) > keep:
+            self.pool.free(seq.pages[keep:])
+            del seq.pages[keep:]
 
     def _admit(self, budget: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []

@@ -130,11 +130,11 @@ class ModelRunner:
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self.graphdef, self.state = nnx.split(model)
         self.max_pages_per_seq = cfg.max_pages_per_seq(model_cfg)
-        self.caches = self._allocate_caches(model.dtype)
+        self.caches = self.allocate_caches(model_cfg, model.dtype)
         # The host's record of the device pages: one per KV pool, shared by every engine on it.
         self.pool = PrefixCachingPool(cfg.num_pages)
-        self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self._replicated)
+        self.replicated = NamedSharding(mesh, PartitionSpec())
+        self.no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self.replicated)
         self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
         self._export_fn = jax.jit(_export)
         self._import_fn = jax.jit(_import, donate_argnums=(0,))
@@ -147,10 +147,11 @@ class ModelRunner:
         self.warmed_up = False
         self.compiles_after_warmup = 0
         self.warmup_seconds = 0.0
+        self.spec = None  # a SpecRunner (engine/spec_step.py) when a draft model is attached
 
     # -- device state -----------------------------------------------------------------------
-    def _allocate_caches(self, dtype: jnp.dtype) -> tuple[KVCache, ...]:
-        m = self.model_cfg
+    def allocate_caches(self, m: ModelConfig, dtype: jnp.dtype) -> tuple[KVCache, ...]:
+        """Zeroed KV pools for model `m` (the target's, or a draft's) over this runner's page ids."""
         shape = kv_cache_shape(m, self.cfg.num_pages, self.cfg.page_size)
         sharding = named_sharding(shape, KV_CACHE_AXES, self.mesh)
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
@@ -188,55 +189,65 @@ class ModelRunner:
         )
 
     # -- compile ---------------------------------------------------------------------------
-    def _abstract_inputs(self, bucket: int) -> StepInputs:
+    def abstract_inputs(self, bucket: int) -> StepInputs:
         def spec(x: np.ndarray) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._replicated)
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated)
 
         return jax.tree.map(spec, self.empty_batch(bucket).to_inputs())
 
     def _compile(self, bucket: int) -> jax.stages.Compiled:
         start = time.perf_counter()
         lowered = self._jitted.lower(
-            self.graphdef, self.state, self.caches, self._no_tokens, self._abstract_inputs(bucket)
+            self.graphdef, self.state, self.caches, self.no_tokens, self.abstract_inputs(bucket)
         )
         executable = lowered.compile()
         log.info("compiled step for %d tokens in %.1fs", bucket, time.perf_counter() - start)
         return executable
 
     def warmup(self) -> float:
+        """Compiles every bucket's step (with a draft model: its verify and propose steps instead)."""
         start = time.perf_counter()
-        for bucket in self.cfg.token_buckets:
-            if bucket not in self._executables:
-                self._executables[bucket] = self._compile(bucket)
+        if self.spec is not None:
+            self.spec.warmup()
+        else:
+            for bucket in self.cfg.token_buckets:
+                if bucket not in self._executables:
+                    self._executables[bucket] = self._compile(bucket)
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds
 
     def _executable(self, bucket: int) -> jax.stages.Compiled:
-        executable = self._executables.get(bucket)
+        return self.executable_from(self._executables, bucket, self._compile, "step")
+
+    def executable_from(self, cache: dict[int, jax.stages.Compiled], bucket: int, compile_fn, what: str
+                        ) -> jax.stages.Compiled:
+        """The bucket's executable from `cache`, compiled on a miss (counted and guarded after warm-up)."""
+        executable = cache.get(bucket)
         if executable is not None:
             return executable
         if self.warmed_up:
             self.compiles_after_warmup += 1
-            message = f"step compiled after warm-up for a {bucket}-token bucket"
+            message = f"{what} compiled after warm-up for a {bucket}-token bucket"
             if self.cfg.compile_guard == "raise":
                 raise CompileAfterWarmupError(message)
             if self.cfg.compile_guard == "warn":
                 log.warning(message)
-        executable = self._executables[bucket] = self._compile(bucket)
+        executable = cache[bucket] = compile_fn(bucket)
         return executable
 
     @property
     def num_compiles(self) -> int:
-        return len(self._executables)
+        spec = len(self.spec._verify_exes) + len(self.spec._propose_exes) if self.spec is not None else 0
+        return len(self._executables) + spec
 
     # -- run -------------------------------------------------------------------------------
     def dispatch(self, batch: HostBatch, previous: StepResult | None = None) -> StepResult:
         """Enqueues one step and returns without waiting for it; `from_prev` indexes `previous`'s ids."""
         executable = self._executable(batch.num_tokens)
         self.copy_evicted_pages()
-        inputs = jax.device_put(batch.to_inputs(), self._replicated)
-        prev_tokens = previous.tokens if previous is not None else self._no_tokens
+        inputs = jax.device_put(batch.to_inputs(), self.replicated)
+        prev_tokens = previous.tokens if previous is not None else self.no_tokens
         self.caches, tokens, logprobs = executable(self.state, self.caches, prev_tokens, inputs)
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
@@ -251,7 +262,7 @@ class ModelRunner:
         """
         start = time.perf_counter()
         if self._import_rows_fn is None and self._has_pinned_host():
-            probe = self._export_fn(self.caches, jax.device_put(np.zeros(TIER_CHUNK, np.int32), self._replicated))
+            probe = self._export_fn(self.caches, jax.device_put(np.zeros(TIER_CHUNK, np.int32), self.replicated))
             device = probe.sharding
             self._export_fn = jax.jit(_export, out_shardings=device.with_memory_kind("pinned_host"))
             self._import_rows_fn = jax.jit(functools.partial(_import_rows, device), donate_argnums=(0,))
@@ -286,7 +297,7 @@ class ModelRunner:
         for i in range(0, len(pages), TIER_CHUNK):
             group = np.zeros(TIER_CHUNK, np.int32)
             group[: len(pages[i : i + TIER_CHUNK])] = pages[i : i + TIER_CHUNK]
-            out = self._export_fn(self.caches, jax.device_put(group, self._replicated))
+            out = self._export_fn(self.caches, jax.device_put(group, self.replicated))
             if out.sharding.memory_kind != "pinned_host":
                 out.copy_to_host_async()
             chunks.append(out)
@@ -310,8 +321,8 @@ class ModelRunner:
         pages, picks = np.zeros(TIER_CHUNK, np.int32), np.zeros(TIER_CHUNK, np.int32)
         pages[: len(rows)] = [page for page, _ in rows]  # padding writes row 0 into the null page
         picks[: len(rows)] = [data.row for _, data in rows]
-        self.caches = self._import_rows_fn(self.caches, rows[0][1].group, jax.device_put(picks, self._replicated),
-                                           jax.device_put(pages, self._replicated))
+        self.caches = self._import_rows_fn(self.caches, rows[0][1].group, jax.device_put(picks, self.replicated),
+                                           jax.device_put(pages, self.replicated))
 
     def _import_arrays(self, pages: list[int], data: np.ndarray) -> None:
         for i in range(0, len(pages), TIER_CHUNK):
@@ -320,8 +331,8 @@ class ModelRunner:
             group[: len(rows)] = pages[i : i + TIER_CHUNK]
             padded = np.zeros((TIER_CHUNK, *data.shape[1:]), data.dtype)
             padded[: len(rows)] = rows
-            self.caches = self._import_fn(self.caches, jax.device_put(group, self._replicated),
-                                          jax.device_put(padded, self._replicated))
+            self.caches = self._import_fn(self.caches, jax.device_put(group, self.replicated),
+                                          jax.device_put(padded, self.replicated))
 
     def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step and waits for it: (sampled token per row, its logprob)."""

@@ -1,0 +1,156 @@
+"""The device side of speculative decoding: the draft's KV pools, its propose step, and the verify step.
+
+The draft has its own KV pools with the target's page count and page size, indexed by the same
+page ids: a sequence's page table serves both models, so prefix-cache hits, preemption and page
+freeing need nothing of their own. Every engine step in speculative mode is a verify step: the
+target runs the ragged batch (prefill chunks, and for a speculating row its last token followed by
+the draft's proposals), the draft runs the same batch so its KV covers exactly what the target's
+does, and `spec.verify` accepts proposals and draws each row's next token. Proposals come from the
+propose step, one position per call over the speculating rows, reading the previous call's tokens
+on the device. Shapes: one verify and one propose executable per token bucket; the proposals'
+distributions are passed as K arrays of [max_seqs, vocab] whatever the bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.spec import propose, verify
+from jaxinfer.engine.step import HostBatch, ModelRunner, StepInputs
+from jaxinfer.errors import ConfigError
+from jaxinfer.models import KVCache, LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecInputs:
+    logits_rows: jax.Array  # [S, K+1] int32: token index of each scored position (the last repeated)
+    draft_tokens: jax.Array  # [max_seqs, K] int32
+    num_proposed: jax.Array  # [max_seqs] int32
+
+
+@dataclasses.dataclass
+class ProposeResult:
+    tokens: jax.Array  # [max_seqs] int32
+    probs: jax.Array  # [max_seqs, V] float32
+    confidence: jax.Array  # [max_seqs] float32
+
+
+@dataclasses.dataclass
+class VerifyResult:
+    tokens: jax.Array  # [S, K+1]
+    counts: jax.Array  # [S]
+    logprobs: jax.Array  # [S, K+1]
+
+    def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.asarray(self.tokens), np.asarray(self.counts), np.asarray(self.logprobs)
+
+
+def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
+
+
+def _propose_step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs):
+    draft = nnx.merge(graphdef, state)
+    ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
+    hidden, caches = draft(ids, caches, inputs.meta)
+    tokens, probs, confidence = propose(draft.logits(hidden[inputs.logits_rows]), inputs.sampling)
+    rows = prev_tokens.shape[0]
+    return caches, _pad_rows(tokens, rows), _pad_rows(probs, rows), _pad_rows(confidence, rows)
+
+
+def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_caches, draft_probs,
+                 inputs: StepInputs, spec: SpecInputs):
+    model, draft = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
+    hidden, caches = model(inputs.tokens, caches, inputs.meta)
+    _, draft_caches = draft(inputs.tokens, draft_caches, inputs.meta)  # the draft's KV keeps pace
+    rows, width = spec.logits_rows.shape
+    logits = model.logits(hidden[spec.logits_rows.reshape(-1)]).reshape(rows, width, -1)
+    probs = jnp.stack(draft_probs, axis=1)[:rows]
+    tokens, counts, logprobs = verify(logits, probs, spec.draft_tokens[:rows], spec.num_proposed[:rows],
+                                      inputs.sampling)
+    return caches, draft_caches, tokens, counts, logprobs
+
+
+class SpecRunner:
+    """The draft model next to a target `ModelRunner`, proposing up to `num_draft_tokens` per round."""
+
+    def __init__(self, target: ModelRunner, draft: LlamaForCausalLM, draft_cfg: ModelConfig, num_draft_tokens: int):
+        if draft_cfg.vocab_size != target.model_cfg.vocab_size:
+            raise ConfigError(f"draft_model: vocabulary of {draft_cfg.vocab_size} ids, the target's has "
+                              f"{target.model_cfg.vocab_size}; a draft must share the target's vocabulary")
+        if num_draft_tokens < 1:
+            raise ConfigError(f"engine.num_draft_tokens must be at least 1 with a draft model, got {num_draft_tokens}")
+        self.target, self.draft_cfg, self.k = target, draft_cfg, num_draft_tokens
+        self.graphdef, self.state = nnx.split(draft)
+        self.caches: tuple[KVCache, ...] = target.allocate_caches(draft_cfg, draft.dtype)
+        max_seqs, vocab = target.cfg.max_seqs, draft_cfg.vocab_size
+        self._no_probs = jax.device_put(np.zeros((max_seqs, vocab), np.float32), target.replicated)
+        self._propose_jit = jax.jit(_propose_step, static_argnums=0, donate_argnums=(2,))
+        self._verify_jit = jax.jit(_verify_step, static_argnums=(0, 2), donate_argnums=(4, 5))
+        self._propose_exes: dict[int, jax.stages.Compiled] = {}
+        self._verify_exes: dict[int, jax.stages.Compiled] = {}
+
+    # -- host arrays -----------------------------------------------------------------------------
+    def empty_spec(self, bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(logits_rows [S, K+1], draft_tokens [max_seqs, K], num_proposed [max_seqs]), all zero."""
+        rows, max_seqs = self.target.rows_for(bucket), self.target.cfg.max_seqs
+        return (np.zeros((rows, self.k + 1), np.int32), np.zeros((max_seqs, self.k), np.int32),
+                np.zeros(max_seqs, np.int32))
+
+    # -- compile ---------------------------------------------------------------------------------
+    def _compile_propose(self, bucket: int) -> jax.stages.Compiled:
+        t = self.target
+        return self._propose_jit.lower(self.graphdef, self.state, self.caches, t.no_tokens,
+                                       t.abstract_inputs(bucket)).compile()
+
+    def _compile_verify(self, bucket: int) -> jax.stages.Compiled:
+        t = self.target
+        spec = SpecInputs(*(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=t.replicated)
+                            for a in self.empty_spec(bucket)))
+        probs = tuple(self._no_probs for _ in range(self.k))
+        return self._verify_jit.lower(t.graphdef, t.state, self.graphdef, self.state, t.caches, self.caches, probs,
+                                      t.abstract_inputs(bucket), spec).compile()
+
+    def propose_buckets(self) -> list[int]:
+        """Buckets a propose call can use: one token per speculating row, at most max_seqs rows."""
+        fits = [b for b in self.target.cfg.token_buckets if b < self.target.cfg.max_seqs]
+        return [*fits, self.target.bucket_for(min(self.target.cfg.max_seqs, self.target.cfg.token_buckets[-1]))]
+
+    def warmup(self) -> None:
+        start = time.perf_counter()
+        for bucket in self.target.cfg.token_buckets:
+            self._verify_exes.setdefault(bucket, self._compile_verify(bucket))
+        for bucket in self.propose_buckets():
+            self._propose_exes.setdefault(bucket, self._compile_propose(bucket))
+        log.info("compiled the speculative verify and propose steps in %.1fs", time.perf_counter() - start)
+
+    # -- run ---------------------------------------------------------------------------------------
+    def propose(self, batch: HostBatch, previous: ProposeResult | None) -> ProposeResult:
+        exe = self.target.executable_from(self._propose_exes, batch.num_tokens, self._compile_propose, "propose")
+        inputs = jax.device_put(batch.to_inputs(), self.target.replicated)
+        prev = previous.tokens if previous is not None else self.target.no_tokens
+        self.caches, tokens, probs, confidence = exe(self.state, self.caches, prev, inputs)
+        return ProposeResult(tokens, probs, confidence)
+
+    def verify(self, batch: HostBatch, spec: tuple[np.ndarray, np.ndarray, np.ndarray],
+               proposals: list[ProposeResult]) -> VerifyResult:
+        t = self.target
+        exe = t.executable_from(self._verify_exes, batch.num_tokens, self._compile_verify, "verify")
+        t.copy_evicted_pages()
+        inputs = jax.device_put(batch.to_inputs(), t.replicated)
+        spec_inputs = jax.device_put(SpecInputs(*spec), t.replicated)
+        probs = tuple(p.probs for p in proposals) + (self._no_probs,) * (self.k - len(proposals))
+        t.caches, self.caches, tokens, counts, logprobs = exe(t.state, self.state, t.caches, self.caches, probs,
+                                                              inputs, spec_inputs)
+        return VerifyResult(tokens, counts, logprobs)

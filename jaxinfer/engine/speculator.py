@@ -1,0 +1,115 @@
+"""The host side of speculative decoding: which rows speculate, the draft's proposal loop, the verify batch.
+
+One round per engine step, synchronously (speculation needs the accepted count before the next
+step is built, so overlapped scheduling is off with a draft model):
+
+1. `plan`: a decode row speculates when its request allows it (`SamplingParams.num_draft_tokens`,
+   capped by the engine's), it has reached `min_tokens`, and room is left under `max_tokens`, the
+   context and the step's largest bucket. Pages for the proposals are reserved now, without
+   preempting anyone (no pages: fewer proposals).
+2. `propose`: up to K draft calls over the speculating rows, one position each. After each call the
+   host reads the proposals' confidence (the draft's top probability); a row stops at the first
+   proposal below `draft_confidence`, which is not proposed, and the loop ends when every row has
+   stopped, so the verify length follows how sure the draft is.
+3. The engine builds the verify batch (speculating rows first, each its last token followed by its
+   proposals), runs `SpecRunner.verify`, appends each row's accepted tokens and drawn token, and
+   gives back the pages of rejected positions (`Scheduler.trim`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxinfer.engine.metrics import EngineStats
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.sequence import ScheduledChunk
+from jaxinfer.engine.spec_step import ProposeResult, SpecRunner
+
+
+@dataclass
+class Round:
+    """One step's speculation: the chunks (speculating rows first), and per speculating row its budget
+    and proposals."""
+
+    chunks: list[ScheduledChunk]
+    budgets: list[int]  # proposals allowed per speculating row
+    drafts: list[list[int]] = field(default_factory=list)
+    proposals: list[ProposeResult] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[ScheduledChunk]:
+        return self.chunks[: len(self.budgets)]
+
+
+class Speculator:
+    def __init__(self, spec: SpecRunner, scheduler: Scheduler, stats: EngineStats, confidence: float,
+                 max_model_len: int):
+        self.spec, self.scheduler, self.stats = spec, scheduler, stats
+        self.confidence, self.max_model_len = confidence, max_model_len
+        self.k = spec.k
+
+    def plan(self, chunks: list[ScheduledChunk]) -> Round:
+        room = self.spec.target.cfg.max_tokens_per_step - sum(c.count for c in chunks)
+        speculating, budgets, others = [], [], []
+        for chunk in chunks:
+            budget = min(self._budget(chunk), max(room, 0))
+            if budget > 0 and not self.scheduler.reserve(chunk.seq, chunk.start + 1 + budget):
+                pages = len(chunk.seq.pages) * self.scheduler.cfg.page_size
+                budget = max(0, min(budget, pages - chunk.start - 1))
+            if budget > 0:
+                speculating.append(chunk)
+                budgets.append(budget)
+                room -= budget
+            else:
+                others.append(chunk)
+        return Round(speculating + others, budgets)
+
+    def _budget(self, chunk: ScheduledChunk) -> int:
+        seq, params = chunk.seq, chunk.seq.params
+        if not chunk.samples or chunk.count != 1 or chunk.start < len(seq.prompt_ids):
+            return 0  # prefill chunks are not speculated on
+        if seq.num_generated < params.min_tokens:
+            return 0
+        cap = self.k if params.num_draft_tokens is None else min(self.k, params.num_draft_tokens)
+        left = min(params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
+        return max(0, min(cap, left))
+
+    def propose(self, plan: Round, empty_batch, bucket_for) -> None:
+        """Runs the draft loop, filling `plan.drafts` and `plan.proposals`."""
+        rows, page_size = plan.rows, self.scheduler.cfg.page_size
+        plan.drafts = [[] for _ in rows]
+        if not rows:
+            return
+        active = [True] * len(rows)
+        bucket = bucket_for(len(rows))
+        previous = None
+        for i in range(self.k):
+            if not any(a and i < b for a, b in zip(active, plan.budgets, strict=True)):
+                break
+            batch = empty_batch(bucket)
+            for j, chunk in enumerate(rows):
+                seq, position = chunk.seq, chunk.start + i
+                if i == 0:
+                    batch.tokens[j] = seq.tokens(chunk.start, 1)[0]
+                else:
+                    batch.from_prev[j] = j  # the token this row's draft proposed in the previous call
+                batch.positions[j], batch.seq_rows[j], batch.logits_rows[j] = position, j, j
+                if i < plan.budgets[j]:  # past its budget a row writes to the null page
+                    batch.write_slots[j] = seq.pages[position // page_size] * page_size + position % page_size
+                batch.page_table[j, : len(seq.pages)] = seq.pages
+                p = seq.params
+                batch.temperature[j], batch.top_p[j], batch.min_p[j] = p.temperature, p.top_p, p.min_p
+                batch.top_k[j] = min(p.top_k, self.spec.draft_cfg.vocab_size)
+                batch.seed[j], batch.step[j] = seq.seed, seq.num_generated + i
+            batch.seq_rows[len(rows) :] = len(rows) - 1
+            previous = self.spec.propose(batch, previous)
+            plan.proposals.append(previous)
+            tokens, confidence = np.asarray(previous.tokens), np.asarray(previous.confidence)
+            for j in range(len(rows)):
+                if active[j] and i < plan.budgets[j] and confidence[j] >= self.confidence:
+                    plan.drafts[j].append(int(tokens[j]))
+                else:
+                    active[j] = False
+        self.stats.spec_draft_calls += len(plan.proposals)
