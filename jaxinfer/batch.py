@@ -58,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-store", default=None, help="L3 KV tier: a path or tensorstore kvstore URL; pages persist "
                    "across runs (written at the end of the run and on eviction)")
     p.add_argument("--kv-host-pages", type=int, default=None, help="L2 KV tier: evicted pages kept in host memory")
+    p.add_argument("--draft-model", default=None, help="speculative decoding: a draft with the model's vocabulary")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="proposals per speculative round at most")
+    p.add_argument("--draft-confidence", type=float, default=None,
+                   help="a round stops proposing at the draft's first top probability below this")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -127,7 +131,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with _open_input(args.input) as stream:
         jobs = read_jobs(stream, defaults)
     overrides = {"dtype": args.dtype, "max_seqs": args.max_seqs, "num_pages": args.num_pages,
-                 "page_size": args.page_size, "kv_store": args.kv_store, "kv_host_pages": args.kv_host_pages}
+                 "page_size": args.page_size, "kv_store": args.kv_store, "kv_host_pages": args.kv_host_pages,
+                 "draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens,
+                 "draft_confidence": args.draft_confidence}
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
     start = time.perf_counter()
     engine, job_of = llm.engine, {}
@@ -165,6 +171,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "tokens_per_step": round(metrics["tokens_per_step"], 1),
         "host_fraction": round(metrics["host_fraction"], 4),
         "preemptions": llm.engine.stats.preemptions,
+        "spec_proposed": llm.engine.stats.spec_proposed,
+        "spec_accepted": llm.engine.stats.spec_accepted,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),
         "model": str(args.model),

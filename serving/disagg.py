@@ -39,7 +39,8 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(
         max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         min_p=params.min_p, seed=params.seed, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-        min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, logprobs=params.logprobs)
+        min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
+        num_draft_tokens=params.num_draft_tokens)
 
 
 async def run_to_end(worker: EngineWorker, request: Request) -> RequestOutput:

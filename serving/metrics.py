@@ -35,6 +35,8 @@ class EngineCollector(Collector):
             "jaxinfer_prefix_cache_hit_rate": ("prefix-cache hit tokens / queried", m["prefix_hit_rate"]),
             "jaxinfer_step_seconds_mean": ("mean wall time of an engine step", m["step_ms"] / 1000),
             "jaxinfer_host_fraction": ("share of step wall time the host was busy", m["host_fraction"]),
+            "jaxinfer_spec_acceptance_rate": ("accepted / proposed draft tokens", m["spec_acceptance_rate"]),
+            "jaxinfer_spec_draft_time_share": ("share of step wall time spent proposing", m["spec_draft_share"]),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -44,6 +46,8 @@ class EngineCollector(Collector):
             "jaxinfer_engine_steps": ("engine steps run", m["steps"]),
             "jaxinfer_prefix_cache_hit_tokens": ("prompt tokens served by the prefix cache", m["prefix_hit_tokens"]),
             "jaxinfer_compiles": ("step executables compiled (warm-up included)", compiles),
+            "jaxinfer_spec_proposed_tokens": ("draft tokens proposed for verification", m["spec_proposed"]),
+            "jaxinfer_spec_accepted_tokens": ("draft tokens the target accepted", m["spec_accepted"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -36,7 +36,7 @@ DEFAULT_MAX_TOKENS = 128
 def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     """Proto sampling settings -> SamplingParams (which names the field and the limit when one is bad)."""
     values: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "num_draft_tokens"):
         if proto.HasField(name):
             values[name] = getattr(proto, name)
     return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),

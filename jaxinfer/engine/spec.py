@@ -38,14 +38,16 @@ def residual(p: jax.Array, q: jax.Array) -> jax.Array:
 
 
 def propose(logits: jax.Array, params: SamplingInputs) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One draft position per row: (token [S], its distribution q [S, V], confidence max q [S]).
+    """One draft position per row: (token [S], its distribution q [S, V], confidence [S]).
 
-    `params.step` is the number of tokens the request will have generated before this position.
+    The confidence is the draft's top probability under its plain softmax (greedy rows draw from a
+    one-hot q, whose top is always 1). `params.step` is the number of tokens the request will have
+    generated before this position.
     """
     q = distribution(logits, params)
     keys = jax.vmap(_key, in_axes=(0, 0, None))(params.seed, params.step, DRAFT_SALT)
     tokens = jax.vmap(lambda key, row: jax.random.categorical(key, jnp.log(row)))(keys, q)
-    return tokens.astype(jnp.int32), q, jnp.max(q, axis=-1)
+    return tokens.astype(jnp.int32), q, jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
 
 
 def verify(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
@@ -35,10 +36,12 @@ def _flat_key(name: str) -> str:
     return name.replace("/", "_")
 
 
-def save(folder: Path, cfg: ModelConfig, params: dict[str, nnx.Param], *, dtype: str, source: str) -> None:
+def save(folder: Path, cfg: ModelConfig, params: dict[str, nnx.Param | np.ndarray | jax.Array], *, dtype: str,
+         source: str) -> None:
+    """Writes the weights (parameters or plain arrays, by engine name) and the metadata marker last."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {_flat_key(name): param.get_value() for name, param in params.items()}
+    state = {_flat_key(name): p.get_value() if isinstance(p, nnx.Param) else p for name, p in params.items()}
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save((folder / "state").absolute(), state, force=True)
     checkpointer.wait_until_finished()

@@ -1,0 +1,122 @@
+"""Speculative decoding in the engine on the real SmolLM2: a truncated draft (the target's first two
+layers) and the target as its own draft; greedy outputs identical to decoding without speculation,
+pages given back, per-request switch, confidence pruning, stop strings, cancellation, preemption."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TEST_ENGINE
+from flax import nnx
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.weights.draft import save_draft, truncated_weights
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parents[1]
+
+CHATS = [[{"role": "user", "content": text}] for text in (
+    "What is the capital of France?", "Write a haiku about tides.", "Count from one to ten.",
+    "Name three colours of the rainbow.")]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def draft_folder(smollm2_llm, tmp_path_factory):
+    model = nnx.merge(smollm2_llm.runner.graphdef, smollm2_llm.runner.state)
+    cfg, weights = truncated_weights(model, smollm2_llm.model_config, num_layers=2)
+    folder = tmp_path_factory.mktemp("draft")
+    save_draft(folder, cfg, weights, source="smollm2-135m, first 2 layers")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def truncated_draft(draft_folder):
+    return LLM("smollm2-135m", **TEST_ENGINE, draft_model=str(draft_folder), num_draft_tokens=4)
+
+
+def spec_stats(llm: LLM) -> tuple[int, int]:
+    return llm.engine.stats.spec_proposed, llm.engine.stats.spec_accepted
+
+
+def test_a_truncated_draft_gives_the_same_greedy_output(smollm2_llm, truncated_draft):
+    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS, GREEDY)]
+    proposed0, accepted0 = spec_stats(truncated_draft)
+    got = truncated_draft.generate_chat(CHATS, GREEDY)
+    assert [o.token_ids for o in got] == expected
+    proposed, accepted = (a - b for a, b in zip(spec_stats(truncated_draft), (proposed0, accepted0), strict=True))
+    assert 0 < accepted < proposed  # some proposals rejected: their positions were rolled back
+    assert truncated_draft.engine.pool.num_free == truncated_draft.engine.pool.capacity
+    metrics = truncated_draft.engine.metrics()
+    assert 0 < metrics["spec_acceptance_rate"] < 1 and metrics["spec_draft_share"] > 0
+
+
+def test_speculation_is_off_per_request_and_pruned_by_confidence(smollm2_llm, truncated_draft):
+    expected = smollm2_llm.generate_chat(CHATS[:2], GREEDY)
+    before = spec_stats(truncated_draft)
+    off = truncated_draft.generate_chat(CHATS[:2], SamplingParams(max_tokens=24, temperature=0.0, num_draft_tokens=0))
+    assert [o.token_ids for o in off] == [o.token_ids for o in expected] and spec_stats(truncated_draft) == before
+    truncated_draft.engine.speculator.confidence = 0.0
+    truncated_draft.generate_chat(CHATS[:2], GREEDY)
+    unpruned = spec_stats(truncated_draft)[0] - before[0]
+    truncated_draft.engine.speculator.confidence = 0.9
+    try:
+        pruned_out = truncated_draft.generate_chat(CHATS[:2], GREEDY)
+    finally:
+        truncated_draft.engine.speculator.confidence = 0.0
+    pruned = spec_stats(truncated_draft)[0] - before[0] - unpruned
+    assert [o.token_ids for o in pruned_out] == [o.token_ids for o in expected]
+    assert pruned < unpruned
+
+
+def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2_llm, truncated_draft):
+    stop = SamplingParams(max_tokens=40, temperature=0.0, stop=["5"])
+    assert (truncated_draft.generate_chat(CHATS[2], stop)[0].text
+            == smollm2_llm.generate_chat(CHATS[2], stop)[0].text)
+    engine = truncated_draft.engine
+    seq = engine.add_request(truncated_draft.chat_request(CHATS[1], SamplingParams(max_tokens=64, temperature=0)))
+    for _ in range(4):
+        engine.step()
+    assert seq.num_generated >= 3 and seq.finish_reason is None and len(seq.pages) > 0
+    engine.abort(seq.index)  # mid-generation, with pages reserved for proposals
+    assert engine.pool.num_free == engine.pool.capacity
+    long = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS, long)]
+    preempted = engine.stats.preemptions
+    with engine.pool.hold(keep_free=24):  # too few pages for all four: some are preempted and recomputed
+        got = [o.token_ids for o in truncated_draft.generate_chat(CHATS, long)]
+    assert got == expected and engine.stats.preemptions > preempted
+    assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_the_target_as_its_own_draft_accepts_every_proposal(smollm2_llm):
+    spec = LLM("smollm2-135m", **TEST_ENGINE, draft_model="smollm2-135m", num_draft_tokens=3)
+    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS[:2], GREEDY)]
+    assert [o.token_ids for o in spec.generate_chat(CHATS[:2], GREEDY)] == expected
+    sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3)
+    spec.generate_chat(CHATS[2:], sampled)
+    proposed, accepted = spec_stats(spec)
+    assert proposed > 0 and accepted == proposed
+
+
+def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, tmp_path):
+    lines = [{"id": i, "messages": chat, "max_tokens": 16} for i, chat in enumerate(CHATS[:2])]
+    lines.append({"id": 2, "messages": CHATS[2], "max_tokens": 16, "num_draft_tokens": 0})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "engine.toml").write_text("[engine]\npage_size = 8\nnum_pages = 512\nmax_seqs = 8\n"
+                                          "token_buckets = [1, 8, 64]\n")
+    proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"),
+                           "--output", str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"),
+                           "--draft-model", str(draft_folder), "--num-draft-tokens", "3", "--stats-json",
+                           str(tmp_path / "stats.json"), "--no-progress"],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    outputs = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    expected = smollm2_llm.generate_chat(CHATS[:3], SamplingParams(max_tokens=16, temperature=0.0))
+    assert [o["token_ids"] for o in outputs] == [e.token_ids for e in expected]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["spec_proposed"] > 0 and 0 <= stats["spec_accepted"] <= stats["spec_proposed"], stats
