@@ -8,6 +8,7 @@
     python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
+    python tools/bench.py spec                      # speculative decoding vs none, batch 1 and 8, 128 new tokens
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -329,6 +330,58 @@ def bench_disagg(args: argparse.Namespace, llm=None) -> None:
               handoff_overhead_s=round(prefill_s + decode_first - one_first, 3)))
 
 
+# -- spec: speculative decoding against plain decoding on chat prompts ---------------------------------
+SPEC_QUESTIONS = ["What is the capital of France?", "Explain what a lighthouse does.", "Write a short poem about rain.",
+                  "List five fruits and their colours.", "How do I boil an egg?", "Why is the sky blue?",
+                  "Describe a cat in three sentences.", "What are the planets of the solar system?"]
+
+
+def bench_spec(args: argparse.Namespace, llm=None) -> None:
+    """tokens/s with and without a draft, same prompts and settings (greedy, exactly --out-len tokens)."""
+    from flax import nnx
+
+    from jaxinfer import LLM
+    from jaxinfer.weights.draft import save_draft, truncated_weights
+
+    llm = llm or load_llm(args)
+    with tempfile.TemporaryDirectory() as folder:
+        draft = args.draft_model
+        if not draft:
+            model = nnx.merge(llm.runner.graphdef, llm.runner.state)
+            cfg, weights = truncated_weights(model, llm.model_config, args.draft_layers)
+            save_draft(Path(folder), cfg, weights, source=f"first {args.draft_layers} layers")
+            draft = folder
+        spec = LLM(args.model, args.config, draft_model=draft, num_draft_tokens=args.num_draft_tokens,
+                   draft_confidence=args.draft_confidence)
+    params = exact(args.out_len)
+    for batch in args.batch:
+        chats = [[{"role": "user", "content": q}] for q in (SPEC_QUESTIONS * batch)[:batch]]
+        results = {}
+        for name, engine_llm in (("plain", llm), ("speculative", spec)):
+            engine_llm.generate_chat(chats, exact(8))  # touches the buckets this batch uses
+            before = dataclasses.replace(engine_llm.engine.stats)
+            start = time.perf_counter()
+            outputs = engine_llm.generate_chat(chats, params)
+            seconds = time.perf_counter() - start
+            stats = engine_llm.engine.stats
+            results[name] = (sum(len(o.token_ids) for o in outputs) / seconds, outputs)
+            if name == "speculative":
+                proposed = stats.spec_proposed - before.spec_proposed
+                accepted = stats.spec_accepted - before.spec_accepted
+                rounds = stats.spec_rounds - before.spec_rounds
+                draft_s = stats.spec_draft_seconds - before.spec_draft_seconds
+        same = [o.token_ids for o in results["plain"][1]] == [o.token_ids for o in results["speculative"][1]]
+        emit(dict(what="jaxinfer_spec", batch=batch, new_tokens=args.out_len, draft=str(args.draft_model or
+                  f"smollm2-135m first {args.draft_layers} layers"), num_draft_tokens=args.num_draft_tokens,
+                  draft_confidence=args.draft_confidence, plain_tok_s=round(results["plain"][0], 2),
+                  spec_tok_s=round(results["speculative"][0], 2),
+                  speedup=round(results["speculative"][0] / results["plain"][0], 3),
+                  acceptance=round(accepted / max(proposed, 1), 3),
+                  tokens_per_round=round((accepted + rounds) / max(rounds, 1), 2),
+                  draft_time_share=round(draft_s / (args.out_len * batch / results["speculative"][0]), 3),
+                  identical_greedy_output=same))
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -346,6 +399,13 @@ def main() -> None:
     uniform.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     uniform.add_argument("--in-len", type=int, default=64)
     uniform.add_argument("--out-len", type=int, default=32)
+    spec = sub.add_parser("spec")
+    spec.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    spec.add_argument("--out-len", type=int, default=128)
+    spec.add_argument("--draft-model", default="", help="default: the target's first --draft-layers layers")
+    spec.add_argument("--draft-layers", type=int, default=2)
+    spec.add_argument("--num-draft-tokens", type=int, default=4)
+    spec.add_argument("--draft-confidence", type=float, default=0.0)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
@@ -367,6 +427,8 @@ def main() -> None:
         bench_uniform(args)
     elif args.workload == "gemm":
         bench_gemm(args)
+    elif args.workload == "spec":
+        bench_spec(args)
     else:
         workloads[args.workload](args)
 

@@ -80,7 +80,7 @@ class Engine:
         self.speculator: Speculator | None = None
         if runner.spec is not None:  # a draft model: every step is a speculative round, not overlapped
             self.speculator = Speculator(runner.spec, self.scheduler, self.stats, self.cfg.draft_confidence,
-                                         max_model_len)
+                                         max_model_len, self._stop_ids)
             self.async_scheduling = False
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1
@@ -247,6 +247,7 @@ class Engine:
             if chunk.samples:
                 self._apply_round(chunk.seq, tokens[row, : counts[row]], logprobs[row], finished)
         self.stats.spec_proposed += sum(len(d) for d in plan.drafts)
+        self.stats.spec_rounds += sum(1 for d in plan.drafts if d)
         elapsed = time.perf_counter() - started
         self.stats.step_seconds += elapsed
         self.stats.host_seconds += elapsed - waited
@@ -281,7 +282,7 @@ class Engine:
     def _apply_round(self, seq: Sequence, tokens: np.ndarray, logprobs: np.ndarray,
                      finished: list[RequestOutput]) -> None:
         """Appends the accepted proposals (their KV is valid) and the drawn token; frees rejected pages."""
-        accepted = len(tokens) - 1
+        accepted = len(tokens) - 1  # a row that proposed nothing has one token: accepted is 0
         self.stats.spec_accepted += accepted
         for j, token in enumerate(tokens):
             self._append(seq, int(token), float(logprobs[j]))

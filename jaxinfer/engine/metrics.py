@@ -23,6 +23,7 @@ class EngineStats:
     store_read_seconds: float = 0.0  # from each read's start until the scheduler saw it done
     spec_proposed: int = 0  # draft tokens proposed for verification
     spec_accepted: int = 0  # of which the target accepted
+    spec_rounds: int = 0  # row-rounds that speculated (each emits its accepted proposals plus one token)
     spec_draft_calls: int = 0  # draft propose calls (one position each, over the speculating rows)
     spec_draft_seconds: float = 0.0  # wall time of the proposal loops (part of step_seconds)
     pages_published: int = 0  # prompt pages a prefill worker wrote to the KV store for decode workers
@@ -52,6 +53,8 @@ def snapshot(
         "host_fraction": stats.host_seconds / stats.step_seconds if stats.step_seconds else 0.0,
         "prefix_hit_rate": stats.prefix_hit_tokens / queried if queried else 0.0,
         "spec_acceptance_rate": stats.spec_accepted / stats.spec_proposed if stats.spec_proposed else 0.0,
+        "spec_tokens_per_round": (stats.spec_accepted + stats.spec_rounds) / stats.spec_rounds
+        if stats.spec_rounds else 0.0,
         "spec_draft_share": stats.spec_draft_seconds / stats.step_seconds if stats.step_seconds else 0.0,
         **(tiers or {}),
     }

@@ -92,5 +92,9 @@ def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
         probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
         return jnp.zeros_like(probs).at[order].set(probs)
 
-    sampled = jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-    return jnp.where((params.temperature <= 0.0)[:, None], greedy, sampled)
+    def mixed() -> jax.Array:
+        sampled = jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        return jnp.where((params.temperature <= 0.0)[:, None], greedy, sampled)
+
+    # An all-greedy batch skips the per-row sort of the whole vocabulary.
+    return lax.cond(jnp.all(params.temperature <= 0.0), lambda: greedy, mixed)

@@ -4,8 +4,9 @@ One round per engine step, synchronously (speculation needs the accepted count b
 step is built, so overlapped scheduling is off with a draft model):
 
 1. `plan`: a decode row speculates when its request allows it (`SamplingParams.num_draft_tokens`,
-   capped by the engine's), it has reached `min_tokens`, and room is left under `max_tokens`, the
-   context and the step's largest bucket. Pages for the proposals are reserved now, without
+   capped by the engine's) and room is left under `max_tokens`, the context and the step's largest
+   bucket; short of `min_tokens`, only as many as keep every scored position under the ban on
+   stop ids. Pages for the proposals are reserved now, without
    preempting anyone (no pages: fewer proposals).
 2. `propose`: up to K draft calls over the speculating rows, one position each. After each call the
    host reads the proposals' confidence (the draft's top probability); a row stops at the first
@@ -18,11 +19,13 @@ step is built, so overlapped scheduling is off with a draft model):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from jaxinfer.engine.metrics import EngineStats
+from jaxinfer.engine.params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import ScheduledChunk
 from jaxinfer.engine.spec_step import ProposeResult, SpecRunner
@@ -45,9 +48,9 @@ class Round:
 
 class Speculator:
     def __init__(self, spec: SpecRunner, scheduler: Scheduler, stats: EngineStats, confidence: float,
-                 max_model_len: int):
+                 max_model_len: int, stop_ids: Callable[[SamplingParams], list[int]]):
         self.spec, self.scheduler, self.stats = spec, scheduler, stats
-        self.confidence, self.max_model_len = confidence, max_model_len
+        self.confidence, self.max_model_len, self.stop_ids = confidence, max_model_len, stop_ids
         self.k = spec.k
 
     def plan(self, chunks: list[ScheduledChunk]) -> Round:
@@ -70,9 +73,9 @@ class Speculator:
         seq, params = chunk.seq, chunk.seq.params
         if not chunk.samples or chunk.count != 1 or chunk.start < len(seq.prompt_ids):
             return 0  # prefill chunks are not speculated on
-        if seq.num_generated < params.min_tokens:
-            return 0
         cap = self.k if params.num_draft_tokens is None else min(self.k, params.num_draft_tokens)
+        if seq.num_generated < params.min_tokens:  # the row's ban on stop ids must cover every scored position
+            cap = min(cap, params.min_tokens - seq.num_generated - 1)
         left = min(params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(cap, left))
 
@@ -103,6 +106,9 @@ class Speculator:
                 batch.temperature[j], batch.top_p[j], batch.min_p[j] = p.temperature, p.top_p, p.min_p
                 batch.top_k[j] = min(p.top_k, self.spec.draft_cfg.vocab_size)
                 batch.seed[j], batch.step[j] = seq.seed, seq.num_generated + i
+                if seq.num_generated < p.min_tokens:  # as in the verify step: no stop id before min_tokens
+                    banned = self.stop_ids(p)
+                    batch.banned[j, : len(banned)] = banned
             batch.seq_rows[len(rows) :] = len(rows) - 1
             previous = self.spec.propose(batch, previous)
             plan.proposals.append(previous)
