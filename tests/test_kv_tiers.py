@@ -198,3 +198,42 @@ def test_a_damaged_stored_page_is_recomputed_not_used(smollm2_llm, tmp_path):
     assert engine.stats.prompt_tokens_computed - computed_before == len(request.prompt_ids) - 2 * page
     evict_everything(engine)
     assert keys[2] in store and store.get(keys[2]) is not None  # recomputed, evicted again, stored intact
+
+
+def test_pages_evicted_by_a_restore_are_copied_out_before_it_overwrites_them(smollm2_llm):
+    """A restore allocates device pages, which can evict other cached pages: their content must go down
+    to L2 before the restored content is written over it."""
+    tiers = TieredPages(HostTier(capacity=256), None)
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, tiers=tiers)
+    first = smollm2_llm.request(SYSTEM + "When is high tide?", GREEDY)
+    second = smollm2_llm.request("Lamps and tides: " * 12 + "Which comes first?", GREEDY)
+    references = [engine.generate([r])[0].token_ids for r in (first, second)]
+    evict_everything(engine)  # both prompts' pages are in L2 now
+    engine.generate([second])  # the second prompt's pages are back on the device, cached
+    page = smollm2_llm.config.page_size
+    needed = len(first.prompt_ids) // page + 2
+    with engine.pool.hold(keep_free=needed):  # what is left free are mostly the second prompt's cached pages
+        assert engine.generate([first])[0].token_ids == references[0]  # restored over them
+    evict_everything(engine)
+    hits = engine.stats.prefix_hit_tokens_l2
+    assert engine.generate([second])[0].token_ids == references[1]  # its pages came back from L2 intact
+    assert engine.stats.prefix_hit_tokens_l2 > hits
+
+
+def test_a_hand_off_with_min_tokens_ignores_stop_strings_in_the_first_token(smollm2_llm, tmp_path):
+    from jaxinfer.engine.disagg import decode_request, handoff, prefill_request
+
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a lamp."}]
+    probe = smollm2_llm.chat_request(chat, SamplingParams(max_tokens=6, temperature=0.0))
+    single = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, prefix_caching=False)
+    first_text = smollm2_llm.tokenizer.decode(single.generate([probe])[0].token_ids[:1]).strip()
+    assert first_text
+    params = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3, stop=[first_text], seed=1)
+    request = smollm2_llm.chat_request(chat, params)
+    expected = single.generate([request])[0]
+    store = PageStore(str(tmp_path), identity(smollm2_llm))
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
+                    tiers=TieredPages(None, store))
+    passed = handoff(request, engine.generate([prefill_request(request)])[0])
+    assert passed.finish_reason is None  # the first token cannot stop a request with min_tokens 3
+    assert engine.generate([decode_request(passed)])[0].token_ids == expected.token_ids

@@ -51,8 +51,14 @@ def with_seed(request: Request, rng: random.Random | None = None) -> Request:
 
 
 def prefill_request(request: Request) -> Request:
-    """What the prefill worker runs: the prompt and the first id, with the pages published."""
-    params = dataclasses.replace(request.params, max_tokens=1, min_tokens=min(request.params.min_tokens, 1))
+    """What the prefill worker runs: the prompt and the first id, with the pages published.
+
+    With `min_tokens` above 1 the first id can stop nothing: stop ids are banned (min_tokens 1 bans
+    them for the first id) and stop strings are not looked for, as in one engine.
+    """
+    original = request.params
+    params = dataclasses.replace(original, max_tokens=1, min_tokens=min(original.min_tokens, 1),
+                                 stop=original.stop if original.min_tokens <= 1 else ())
     return dataclasses.replace(request, params=params, publish_kv=True)
 
 
@@ -82,9 +88,10 @@ class PagePublisher:
 
     def __init__(self, runner: ModelRunner, store: PageStore, page_size: int, stats: EngineStats):
         self.runner, self.store, self.page_size, self.stats = runner, store, page_size, stats
-        self._copies: list[tuple[list[bytes], list[jax.Array]]] = []
+        self._copies: list[tuple[int, list[bytes], list[jax.Array]]] = []  # (step, keys, host groups)
 
-    def publish(self, seq: Sequence) -> None:
+    def publish(self, seq: Sequence, step: int) -> None:
+        """Queues copies of the newly full prompt pages, after `step` (the one that computed them)."""
         full = min(len(seq.page_keys), len(seq.prompt_ids) // self.page_size)
         if full <= seq.published_pages:
             return
@@ -93,11 +100,14 @@ class PagePublisher:
         missing = [i for i in new if seq.page_keys[i] not in self.store]
         if missing:
             groups = self.runner.export_pages([seq.pages[i] for i in missing])
-            self._copies.append(([seq.page_keys[i] for i in missing], groups))
+            self._copies.append((step, [seq.page_keys[i] for i in missing], groups))
 
-    def write_ready(self) -> None:
-        copies, self._copies = self._copies, []
-        for keys, groups in copies:
+    def write_ready(self, done_step: int | None = None) -> None:
+        """Writes the copies queued after steps up to `done_step` (read back, so the copies are done;
+        None: all, waiting for them)."""
+        ready = [c for c in self._copies if done_step is None or c[0] <= done_step]
+        self._copies = [c for c in self._copies if c not in ready]
+        for _, keys, groups in ready:
             arrays = [np.asarray(group) for group in groups]
             for i, key in enumerate(keys):
                 self.store.put(key, arrays[i // TIER_CHUNK][i % TIER_CHUNK], wait=False)
@@ -105,7 +115,7 @@ class PagePublisher:
 
     def finish(self, seq: Sequence) -> int:
         """Writes the request's remaining prompt pages and waits for all; returns the pages stored."""
-        self.publish(seq)
+        self.publish(seq, step=-1)
         self.write_ready()
         self.store.flush()
         return seq.published_pages

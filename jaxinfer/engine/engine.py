@@ -37,7 +37,7 @@ from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.engine.speculator import Round, Speculator
 from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
-from jaxinfer.kv.tiers import TieredPages
+from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -51,6 +51,7 @@ __all__ = ["Engine", "EngineStats", "ScheduledChunk", "Sequence"]
 class _InflightStep:
     chunks: list[ScheduledChunk]
     result: StepResult
+    number: int  # the count of steps launched, this one included
 
 
 class Engine:
@@ -75,6 +76,7 @@ class Engine:
             runner.tiers, self.pool.track_evictions = tiers, True
             runner.warmup_tiers()
         self.scheduler.tiers = runner.tiers  # and come back on a hit
+        self.scheduler.write_pages = self._write_restored_pages
         store = runner.tiers.store if runner.tiers is not None else None
         self._publisher = PagePublisher(runner, store, self.cfg.page_size, self.stats) if store is not None else None
         self.speculator: Speculator | None = None
@@ -200,7 +202,6 @@ class Engine:
             self._demote_evicted()  # pages evicted since the last step (by another engine, or a test) go down first
             self.scheduler.tiers.maybe_sweep()
         chunks = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
-        self._write_restored_pages()  # the step's own dispatch first copies out the pages evicted now
         launched = self._launch(chunks) if chunks else None
         previous, self._inflight = self._inflight, launched
         if previous is not None:
@@ -226,7 +227,6 @@ class Engine:
             self._demote_evicted()
             self.scheduler.tiers.maybe_sweep()
         chunks = self.scheduler.schedule(self.speculator.k) if self.scheduler.has_unfinished() else []
-        self._write_restored_pages()
         if not chunks:
             if self.has_unfinished() and not self.scheduler.wait_for_store():
                 raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
@@ -277,7 +277,7 @@ class Engine:
             seq.num_computed = chunk.start + chunk.count
             self.scheduler.publish_pages(seq)
             if seq.request.publish_kv:
-                self._publisher.publish(seq)
+                self._publisher.publish(seq, self.stats.steps)
 
     def _apply_round(self, seq: Sequence, tokens: np.ndarray, logprobs: np.ndarray,
                      finished: list[RequestOutput]) -> None:
@@ -316,7 +316,6 @@ class Engine:
             self.scheduler.tiers.store.flush()
 
     def _demote_evicted(self) -> None:
-        self._write_restored_pages()
         self.runner.copy_evicted_pages()
         self.runner.demote_copied_pages()
 
@@ -328,11 +327,11 @@ class Engine:
             self.flush_tiers()
         self.scheduler.tiers.persist()
 
-    def _write_restored_pages(self) -> None:
-        """Writes the pages the scheduler restored from L2/L3 into their device pages (before the step)."""
-        imports, self.scheduler.imports = self.scheduler.imports, []
-        if imports:
-            self.runner.import_pages(imports)
+    def _write_restored_pages(self, pages: list[tuple[int, HostPage | np.ndarray]]) -> None:
+        """Writes pages restored from L2/L3 into their device pages, after copying out what their
+        allocation evicted (the copy is enqueued first, so it reads the old content)."""
+        self.runner.copy_evicted_pages()
+        self.runner.import_pages(pages)
 
     # -- requests ----------------------------------------------------------------------------
     def _record_guard(self, request: Request) -> None:
@@ -375,8 +374,8 @@ class Engine:
                 seq.last_row = row
             self.scheduler.publish_pages(seq)
             if seq.request.publish_kv:
-                self._publisher.publish(seq)
-        return _InflightStep(chunks, result)
+                self._publisher.publish(seq, self.stats.steps)
+        return _InflightStep(chunks, result, self.stats.steps)
 
     def _build_batch(self, chunks: list[ScheduledChunk], drafts: list[list[int]] | None = None) -> HostBatch:
         """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk."""
@@ -418,7 +417,7 @@ class Engine:
         tokens, logprobs = step.result.fetch()
         waited = time.perf_counter() - started
         if self._publisher is not None:
-            self._publisher.write_ready()
+            self._publisher.write_ready(step.number)  # not the copies queued after the step in flight
         for row, chunk in enumerate(step.chunks):
             seq = chunk.seq
             if not chunk.samples:

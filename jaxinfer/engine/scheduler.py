@@ -28,6 +28,7 @@ import logging
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -52,8 +53,9 @@ class Scheduler:
         self._pending: dict[bytes, Sequence] = {}  # page key -> the running sequence that will compute it
         self._arrivals = 0
         self.tiers: TieredPages | None = None  # L2/L3 below the device pool (kv/tiers.py)
-        # Restored pages the engine writes before the step: (device page, HostPage or numpy page).
-        self.imports: list[tuple[int, HostPage | np.ndarray]] = []
+        # Writes restored pages into their device pages (set by the engine): called as soon as they are
+        # allocated, after the pages those allocations evicted are copied out.
+        self.write_pages: Callable[[list[tuple[int, HostPage | np.ndarray]]], None] | None = None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -98,7 +100,7 @@ class Scheduler:
             if seq in self.running:
                 chunks.append(ScheduledChunk(seq, seq.num_computed, count))
                 budget -= count
-                reserved += draft_room if count == 1 else 0
+                reserved += draft_room if count == 1 and seq.params.num_draft_tokens != 0 else 0
         chunks += self._admit(max(0, budget - reserved))
         return chunks
 
@@ -223,11 +225,13 @@ class Scheduler:
     def _restore(self, seq: Sequence, keys: list[bytes]) -> list[int]:
         """Continues a prefix hit in the lower tiers: each page found gets a device page and is registered.
 
-        The page's content is queued in `imports`; the engine writes it before the next step. The
-        pages are referenced once, like `pool.lookup`'s, and counted as hits of their tier.
+        The contents are written at once (`write_pages`), so a restored page that is evicted again
+        before the next step is copied out with its real content. The pages are referenced once,
+        like `pool.lookup`'s, and counted as hits of their tier.
         """
         from_store = seq.store_read.pages() if seq.store_read is not None else {}
         pages: list[int] = []
+        writes: list[tuple[int, HostPage | np.ndarray]] = []
         for key in keys if self.tiers is not None else ():
             data, tier = self.tiers.host_page(key), "l2"
             if data is None:
@@ -238,12 +242,14 @@ class Scheduler:
             if fresh is None:
                 break
             self.pool.register(fresh[0], key)
-            self.imports.append((fresh[0], data))
+            writes.append((fresh[0], data))
             pages += fresh
             if tier == "l2":
                 self.stats.prefix_hit_tokens_l2 += self.cfg.page_size
             else:
                 self.stats.prefix_hit_tokens_l3 += self.cfg.page_size
+        if writes:
+            self.write_pages(writes)
         return pages
 
     def publish_pages(self, seq: Sequence) -> None:

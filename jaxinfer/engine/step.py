@@ -285,6 +285,8 @@ class ModelRunner:
         """Hands the copied pages to the lower tiers (L2 keeps the host groups; L3 waits for their bytes)."""
         exports, self._exports = self._exports, []
         for keys, groups in exports:
+            # Without pinned host memory the copies are device arrays: L2 must hold host copies.
+            groups = [g if g.sharding.memory_kind == "pinned_host" else np.asarray(g) for g in groups]
             for i, key in enumerate(keys):
                 self.tiers.demote(key, HostPage(groups[i // TIER_CHUNK], i % TIER_CHUNK))
 

@@ -96,13 +96,21 @@ class PendingRead:
 
     def wait(self) -> None:
         for future in self._futures:
-            future.result()
+            future.exception()  # waits; an error is reported by `pages`
 
     def pages(self) -> dict[bytes, np.ndarray]:
-        """The pages found intact and unexpired, by key (damaged ones are deleted and left out)."""
+        """The pages found intact and unexpired, by key (damaged or unreadable ones are left out)."""
         if self._pages is None:
-            self._pages = {key: page for key, future in zip(self.keys, self._futures, strict=True)
-                           if (page := self._store._accept(key, future.result())) is not None}
+            self._pages = {}
+            for key, future in zip(self.keys, self._futures, strict=True):
+                try:
+                    page = self._store._accept(key, future.result())
+                except Exception as exc:  # an I/O or network error: a miss, recomputed; the engine goes on
+                    log.warning("KV store read of %s failed: %s", key.hex(), exc)
+                    self._store.stats.misses += 1
+                    page = None
+                if page is not None:
+                    self._pages[key] = page
         return self._pages
 
 
@@ -114,6 +122,7 @@ class PageStore:
         self._prefix = identity.digest() + "/"
         self.stats = StoreStats()
         self._index: dict[bytes, _Entry] = {}
+        self._bytes = 0  # of the index's entries (read by the metrics thread: no iteration there)
         self._writes: list[tuple[bytes, ts.Future]] = []  # asynchronous writes not yet known to be done
         damaged = self._scan()
         if ttl_seconds > 0 or max_bytes > 0:
@@ -126,7 +135,17 @@ class PageStore:
 
     @property
     def num_bytes(self) -> int:
-        return sum(entry.nbytes for entry in self._index.values())
+        return self._bytes
+
+    def _index_set(self, page_key: bytes, entry: _Entry) -> None:
+        self._index_pop(page_key)
+        self._index[page_key] = entry
+        self._bytes += entry.nbytes
+
+    def _index_pop(self, page_key: bytes) -> None:
+        entry = self._index.pop(page_key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
 
     def __contains__(self, page_key: bytes) -> bool:
         return page_key in self._index
@@ -135,14 +154,15 @@ class PageStore:
         """Rebuilds the index from a listing and the headers; returns the keys of unreadable values."""
         keys = self.keys()
         futures = [self._kv.read(self._key(k), byte_range=slice(0, HEADER_BYTES)) for k in keys]
-        self._index, damaged = {}, []
+        index, damaged = {}, []
         for key, future in zip(keys, futures, strict=True):
             result = future.result()
             header = self._header(result.value) if result.state == "value" else None
             if header is None:
                 damaged.append(key)
             else:
-                self._index[key] = _Entry(header["nbytes"], header["created"])
+                index[key] = _Entry(header["nbytes"], header["created"])
+        self._index, self._bytes = index, sum(entry.nbytes for entry in index.values())
         return damaged
 
     # -- values ------------------------------------------------------------------------------
@@ -151,8 +171,11 @@ class PageStore:
 
     def _delete(self, page_key: bytes) -> None:
         key = self._key(page_key)
-        self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
-        self._index.pop(page_key, None)
+        self._index_pop(page_key)
+        try:
+            self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+        except Exception as exc:  # left for a later sweep
+            log.warning("KV store delete of %s failed: %s", page_key.hex(), exc)
 
     def put(self, page_key: bytes, page: np.ndarray, now: float | None = None, wait: bool = True) -> None:
         """Stores one page ([layers, 2, kv_heads, page_size, head_dim]); replaces an earlier value.
@@ -169,7 +192,7 @@ class PageStore:
         else:
             self._writes.append((page_key, future))
             self._reap_writes()
-        self._index[page_key] = _Entry(len(data), created)
+        self._index_set(page_key, _Entry(len(data), created))
         self.stats.writes += 1
         self.stats.bytes_written += len(value)
         self._enforce_capacity()
@@ -184,7 +207,7 @@ class PageStore:
                 future.result()
             except Exception as exc:  # a full disk or a lost connection: the page is simply not stored
                 log.warning("KV store write of %s failed: %s", page_key.hex(), exc)
-                self._index.pop(page_key, None)
+                self._index_pop(page_key)
                 self.stats.write_errors += 1
         self._writes = pending
 
@@ -196,9 +219,12 @@ class PageStore:
         if self.max_bytes <= 0:
             return
         total = self.num_bytes
+        writing = {key for key, _ in self._writes}  # deleted once written, by a later enforcement
         for page_key, entry in sorted(self._index.items(), key=lambda item: item[1].created):
             if total <= self.max_bytes:
                 break
+            if page_key in writing:
+                continue
             self._delete(page_key)
             total -= entry.nbytes
             self.stats.evicted += 1
@@ -213,7 +239,8 @@ class PageStore:
     def _accept(self, page_key: bytes, result: ts.KvStore.ReadResult) -> np.ndarray | None:
         """A read's page if it is intact and unexpired; counts the hit or miss, deletes a damaged value."""
         if result.state != "value":
-            self._index.pop(page_key, None)  # removed by another process
+            if not any(key == page_key for key, _ in self._writes):  # not still being written here
+                self._index_pop(page_key)  # removed by another process
             self.stats.misses += 1
             return None
         parsed = self._parse(result.value)

@@ -10,8 +10,8 @@ written again when it falls out of L2 a second time.
 L2 pages are `HostPage`s: a row of a host copy of a group of pages that the runner's copy program
 wrote straight into pinned host memory (`memory_kind="pinned_host"`, where the platform has it:
 the CPU, GPUs and TPUs under PJRT), so demotion and restore are DMA transfers with no staging copy.
-A group stays allocated while any of its pages is in L2, so L2 can hold up to one group's worth
-of bytes more than `capacity` pages; `num_bytes` counts what is really held. Pages for L3 are
+A group stays allocated while any of its pages is in L2, so L2 evicts by bytes held as well as by
+pages: at most `capacity` pages' worth of bytes (or one group, if that is more). Pages for L3 are
 numpy arrays (`HostPage.numpy`).
 """
 
@@ -42,7 +42,7 @@ class TierStats:
 class HostPage:
     """Page `row` of a host copy of several pages (`[pages, layers, 2, kv_heads, page_size, head_dim]`)."""
 
-    group: jax.Array
+    group: jax.Array | np.ndarray  # a jax array in pinned host memory, or numpy where there is none
     row: int
 
     def numpy(self) -> np.ndarray:
@@ -105,8 +105,10 @@ class HostTier:
         self._pages[key] = page
         self._pages.move_to_end(key)
         self._hold(page)
+        unit = page.group.nbytes // len(page.group) if isinstance(page, HostPage) else page.nbytes
+        limit = max(self.capacity * unit, _group_of(page).nbytes)
         pushed = []
-        while len(self._pages) > self.capacity:
+        while len(self._pages) > self.capacity or self.num_bytes > limit:
             pushed.append(self._pages.popitem(last=False))
             self._release(pushed[-1][1])
         return pushed
@@ -123,8 +125,12 @@ class TieredPages:
         """Sweeps the store when `sweep_seconds` have passed since the last sweep (called between steps)."""
         if self.store is None or self.sweep_seconds <= 0 or time.monotonic() - self._last_sweep < self.sweep_seconds:
             return
-        removed = self.store.sweep()
         self._last_sweep = time.monotonic()
+        try:
+            removed = self.store.sweep()
+        except Exception as exc:  # the store is unreachable now: serving goes on, the next sweep retries
+            log.warning("KV store sweep failed: %s", exc)
+            return
         log.info("KV store sweep: %d values removed, %d pages held", removed, self.store.num_pages)
 
     def demote(self, key: bytes, page: HostPage | np.ndarray) -> None:
