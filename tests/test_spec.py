@@ -112,3 +112,32 @@ def test_logprobs_are_the_targets_raw_logprobs():
     for row in range(8):
         for i in range(int(counts[row])):
             assert np.isclose(logprobs[row, i], raw[i, tokens[row, i]], atol=1e-5)
+
+
+def test_dense_training_attention_matches_the_paged_engine_forward():
+    """tools/train_draft.py trains with `DenseAttention`; its logits must be the engine's (paged) ones."""
+    from flax import nnx
+    from harness import PagedForward
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.layers.attention import AttentionMetadata, DenseAttention
+    from jaxinfer.models import KVCache
+    from jaxinfer.parallel import make_mesh
+    from jaxinfer.weights.loader import abstract_model, fill, parameters, random_model
+
+    cfg = ModelConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                      num_heads=8, num_kv_heads=2, head_dim=16)
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    paged = random_model(cfg, mesh, jnp.float32, seed=2)
+    tensors = [(n, n, np.asarray(p.get_value())) for n, p in parameters(paged).items()]
+    length, sequences = 24, np.random.default_rng(1).integers(0, 300, (2, 24))
+    expected = np.stack([PagedForward(paged, page_size=8, num_pages=16, max_pages=4).run(list(s), 0)
+                         for s in sequences])
+    dense = fill(abstract_model(cfg, jnp.float32, DenseAttention(length)), tensors, mesh, "copy")
+    flat = 2 * length
+    meta = AttentionMetadata(jnp.tile(jnp.arange(length, dtype=jnp.int32), 2), jnp.zeros(flat, jnp.int32),
+                             jnp.zeros((1, 1), jnp.int32), jnp.zeros(flat, jnp.int32))
+    caches = tuple(KVCache(jnp.zeros(1), jnp.zeros(1)) for _ in range(cfg.num_layers))
+    hidden, _ = nnx.jit(lambda m, t: m(t, caches, meta))(dense, jnp.asarray(sequences.reshape(-1), jnp.int32))
+    got = np.asarray(dense.logits(hidden)).reshape(2, length, -1)
+    assert np.abs(got - expected).max() < 1e-4

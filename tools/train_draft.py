@@ -5,7 +5,7 @@
 1. Data: the target answers chat questions built from templates (the engine, sampled at
    temperature 0.7); each prompt plus answer is one training sequence of `--seq-len` tokens.
 2. Teacher: the target's top-`--top-k` next-token probabilities at every position, computed once
-   (dense causal attention, `DenseAttention`), renormalized over those k ids.
+   (dense causal attention, `layers.attention.DenseAttention`), renormalized over those k ids.
 3. Student: the target's first `--layers` layers with its embedding, final norm and head (a
    layer-skip draft, `weights/draft.py`). The layers and the final norm are trained with optax
    (AdamW) on the KL divergence to the teacher over the top-k ids; the embedding, which is also
@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import random
 import sys
@@ -34,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from jaxinfer import LLM, SamplingParams  # noqa: E402
-from jaxinfer.layers.attention import AttentionMetadata  # noqa: E402
+from jaxinfer.layers.attention import AttentionMetadata, DenseAttention  # noqa: E402
 from jaxinfer.models import KVCache  # noqa: E402
 from jaxinfer.weights.draft import save_draft, truncated_weights  # noqa: E402
 from jaxinfer.weights.loader import abstract_model, fill, load_model, parameters  # noqa: E402
@@ -45,31 +44,6 @@ TOPICS = ["the ocean", "a lighthouse", "rainy weather", "the moon", "coffee", "b
 FORMS = ["Tell me about {}.", "Write a short poem about {}.", "Explain {} to a child.", "List three facts about {}.",
          "Why do people like {}?", "Describe {} in two sentences.", "What is surprising about {}?",
          "Give me a tip related to {}."]
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseAttention:
-    """Causal attention over each sequence's own tokens, no KV cache: training on [batch, seq_len] blocks.
-
-    `write` hands the new keys/values through; `attend` treats the flat tokens as `batch` contiguous
-    sequences of `seq_len` tokens."""
-
-    seq_len: int
-
-    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        return new
-
-    def attend(self, q, k, v, meta, scale):
-        tokens, heads, dim = q.shape
-        kv_heads, length = k.shape[1], self.seq_len
-        q = q.reshape(tokens // length, length, kv_heads, heads // kv_heads, dim)
-        k = k.reshape(tokens // length, length, kv_heads, dim)
-        v = v.reshape(tokens // length, length, kv_heads, dim)
-        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
-        causal = jnp.tril(jnp.ones((length, length), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
-        out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v)
-        return out.reshape(tokens, heads, dim)
 
 
 def dense_inputs(num_sequences: int, seq_len: int, num_layers: int) -> tuple[AttentionMetadata, tuple]:

@@ -167,3 +167,28 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int) -> AttentionB
     if name in ("auto", "reference"):
         return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
     raise ValueError(f"unknown attention backend {name!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseAttention:
+    """Causal attention over each sequence's own tokens with no KV cache, for training (tools/train_draft.py).
+
+    `write` hands the new keys/values through; `attend` treats the flat tokens as `batch` contiguous
+    sequences of `seq_len` tokens."""
+
+    seq_len: int
+
+    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        return new
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata, scale: float) -> jax.Array:
+        tokens, heads, dim = q.shape
+        kv_heads, length = k.shape[1], self.seq_len
+        q = q.reshape(tokens // length, length, kv_heads, heads // kv_heads, dim)
+        k = k.reshape(tokens // length, length, kv_heads, dim)
+        v = v.reshape(tokens // length, length, kv_heads, dim)
+        scores = jnp.einsum("bqhgd,bkhd->bhgqk", q, k, preferred_element_type=jnp.float32) * scale
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+        out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v)
+        return out.reshape(tokens, heads, dim)
