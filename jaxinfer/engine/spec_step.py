@@ -96,7 +96,12 @@ class SpecRunner:
         self.caches: tuple[KVCache, ...] = target.allocate_caches(draft_cfg, draft.dtype)
         max_seqs, vocab = target.cfg.max_seqs, draft_cfg.vocab_size
         self._no_probs = jax.device_put(np.zeros((max_seqs, vocab), np.float32), target.replicated)
-        self._propose_jit = jax.jit(_propose_step, static_argnums=0, donate_argnums=(2,))
+        # Proposals feed later calls compiled for replicated inputs: pin them replicated (with a
+        # model-sharded vocabulary the compiler could otherwise leave `probs` sharded).
+        cache_shardings = jax.tree.map(lambda x: x.sharding, self.caches)
+        replicated = target.replicated
+        self._propose_jit = jax.jit(_propose_step, static_argnums=0, donate_argnums=(2,),
+                                    out_shardings=(cache_shardings, replicated, replicated, replicated))
         self._verify_jit = jax.jit(_verify_step, static_argnums=(0, 2), donate_argnums=(4, 5))
         self._propose_exes: dict[int, jax.stages.Compiled] = {}
         self._verify_exes: dict[int, jax.stages.Compiled] = {}
