@@ -19,28 +19,18 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from jaxinfer.engine.disagg import Handoff, prefill_request, with_seed
-from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
+from jaxinfer.engine.disagg import Handoff, handoff, prefill_request, with_seed
+from jaxinfer.engine.params import Request, RequestOutput, Usage
 from jaxinfer.errors import JaxinferError
+from serving.convert import FINISH_REASONS, REASON_OF, sampling_params, sampling_proto
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.wire import Undecodable, lenient
 from serving.worker import Delta, EngineWorker
 
 log = logging.getLogger(__name__)
 
-REASON_OF = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
-FINISH_OF = {name: code for code, name in REASON_OF.items()}
 SERVICE = pb.DESCRIPTOR.services_by_name["KVChannel"].full_name
 ROLES = ("both", "prefill", "decode")
-
-
-def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
-    """SamplingParams -> proto (every field explicit, so the peer applies no defaults of its own)."""
-    return pb.SamplingParams(
-        max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        min_p=params.min_p, seed=params.seed, stop=list(params.stop), stop_token_ids=list(params.stop_token_ids),
-        min_tokens=params.min_tokens, ignore_eos=params.ignore_eos, logprobs=params.logprobs,
-        num_draft_tokens=params.num_draft_tokens)
 
 
 async def run_to_end(worker: EngineWorker, request: Request) -> RequestOutput:
@@ -69,7 +59,6 @@ class PrefillService:
 
     def __init__(self, admit: Callable[..., Awaitable], state: Callable[[], EngineWorker | None]):
         self._admit, self._worker = admit, state
-        self.served = 0
 
     def register(self, server: grpc.aio.Server) -> None:
         handler = grpc.unary_unary_rpc_method_handler(self.Prefill, request_deserializer=lenient(pb.PrefillRequest),
@@ -77,8 +66,6 @@ class PrefillService:
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Prefill": handler}),))
 
     async def Prefill(self, request: pb.PrefillRequest | Undecodable, context: grpc.aio.ServicerContext):
-        from serving.service import sampling_params  # one proto -> params conversion for both services
-
         tenant = await self._admit(context, request)
         try:
             engine_req = Request(list(request.prompt_token_ids), sampling_params(request.sampling),
@@ -88,11 +75,10 @@ class PrefillService:
             out = await run_to_end(self._worker(), prefill_request(engine_req))
         except (JaxinferError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self.served += 1
-        finished = out.finish_reason != "length" or engine_req.params.max_tokens <= len(out.token_ids)
+        done = handoff(engine_req, out).finish_reason
         return pb.PrefillResponse(
             token_ids=out.token_ids, logprobs=out.logprobs or [], stored_pages=out.stored_pages, text=out.text,
-            finish_reason=FINISH_OF[out.finish_reason] if finished else pb.FINISH_REASON_UNSPECIFIED,
+            finish_reason=FINISH_REASONS[done] if done else pb.FINISH_REASON_UNSPECIFIED,
             usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
                            cached_tokens=out.usage.cached_tokens))
 

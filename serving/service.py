@@ -9,16 +9,16 @@ import json
 import logging
 import time
 import uuid
-from typing import Any
 
 import grpc
 import numpy as np
 
 from jaxinfer.engine.disagg import decode_request
-from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
+from jaxinfer.engine.params import Request, RequestOutput
 from jaxinfer.errors import JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
+from serving.convert import FINISH_REASONS, sampling_params
 from serving.disagg import PrefillRouter, finished_output
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
@@ -28,20 +28,6 @@ from serving.wire import Undecodable, lenient
 from serving.worker import Delta, EngineWorker, QueueFull, WorkerDead
 
 log = logging.getLogger("jaxinfer.requests")
-
-FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-DEFAULT_MAX_TOKENS = 128
-
-
-def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
-    """Proto sampling settings -> SamplingParams (which names the field and the limit when one is bad)."""
-    values: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "num_draft_tokens"):
-        if proto.HasField(name):
-            values[name] = getattr(proto, name)
-    return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
-                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs)
-
 
 def chat_messages(chat: pb.Messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]

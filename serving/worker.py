@@ -86,7 +86,7 @@ class EngineWorker:
         """Queues a validated request; its deltas go to `deliver` (called on the worker thread)."""
         if self.dead is not None:
             raise WorkerDead(f"the engine stopped: {self.dead}")
-        self.engine.validate_request(request)
+        self.engine.validate(request)
         stream = _Stream(request, deliver)
         try:
             self._adds.put_nowait(stream)

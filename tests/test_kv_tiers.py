@@ -25,6 +25,11 @@ def identity(llm) -> ModelIdentity:
                          m.num_kv_heads, m.head_dim)
 
 
+def engine_on(llm, **flags) -> Engine:
+    """Another engine on the shared test model's runner (its device pages), with its own flags or tiers."""
+    return Engine(llm.runner, llm.tokenizer, llm.max_model_len, **flags)
+
+
 def evict_everything(engine: Engine) -> None:
     with engine.pool.hold(keep_free=0):  # takes every free page: all cached pages are evicted
         pass
@@ -34,12 +39,11 @@ def evict_everything(engine: Engine) -> None:
 def test_evicted_pages_restore_from_l2_and_l3_with_identical_outputs(smollm2_llm, tmp_path):
     prompt = SYSTEM + "When is high tide?"
     request = smollm2_llm.request(prompt, GREEDY)
-    reference = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                       prefix_caching=False).generate([request])[0]
+    reference = engine_on(smollm2_llm, prefix_caching=False).generate([request])[0]
     full_pages = (len(request.prompt_ids) - 1) // smollm2_llm.config.page_size
     assert full_pages >= 5
     tiers = TieredPages(HostTier(capacity=2), PageStore(str(tmp_path), identity(smollm2_llm)))
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, tiers=tiers)
+    engine = engine_on(smollm2_llm, tiers=tiers)
     assert engine.generate([request])[0].token_ids == reference.token_ids
     evict_everything(engine)
     assert len(tiers.host) == 2 and tiers.stats.demoted_l3 >= full_pages - 2
@@ -81,8 +85,7 @@ def test_a_new_process_reuses_l3_pages_written_by_an_earlier_one(smollm2_llm, tm
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     request = smollm2_llm.request(SYSTEM + "Why do lamps flicker?", GREEDY)
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                    tiers=TieredPages(None, PageStore(str(tmp_path), identity(smollm2_llm))))
+    engine = engine_on(smollm2_llm, tiers=TieredPages(None, PageStore(str(tmp_path), identity(smollm2_llm))))
     with engine.pool.hold(keep_free=0):  # nothing of this prompt may come from this process's device pages
         pass
     out = engine.generate([request])[0]
@@ -123,8 +126,7 @@ def test_batch_runs_share_prefix_pages_through_the_store(tmp_path):
 def test_a_store_read_holds_only_its_own_request(smollm2_llm, tmp_path):
     """While a request's pages are read from L3 it waits in the queue; a running request keeps decoding."""
     store = PageStore(str(tmp_path), identity(smollm2_llm))
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                    tiers=TieredPages(None, store))
+    engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
     restored = smollm2_llm.request(SYSTEM + "Which lamp is brightest?", GREEDY)
     reference = engine.generate([restored])[0]
     evict_everything(engine)
@@ -154,11 +156,9 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
     params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7)
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How far does the beam reach?"}]
     request = smollm2_llm.chat_request(chat, params)
-    single = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                    prefix_caching=False).generate([request])[0]
+    single = engine_on(smollm2_llm, prefix_caching=False).generate([request])[0]
     store = PageStore(str(tmp_path), identity(smollm2_llm))
-    prefill = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                     tiers=TieredPages(None, store))
+    prefill = engine_on(smollm2_llm, tiers=TieredPages(None, store))
     request = with_seed(request)
     first = prefill.generate([prefill_request(request)])[0]
     page = smollm2_llm.config.page_size
@@ -169,8 +169,7 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
     with smollm2_llm.runner.pool.hold(keep_free=0):  # drops the prefill engine's device pages
         pass
     smollm2_llm.runner.pool.take_evicted()  # as if on another machine: they are not demoted here
-    decode = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                    tiers=TieredPages(None, PageStore(str(tmp_path), identity(smollm2_llm))))
+    decode = engine_on(smollm2_llm, tiers=TieredPages(None, PageStore(str(tmp_path), identity(smollm2_llm))))
     out = decode.generate([decode_request(passed)])[0]
     assert out.token_ids == single.token_ids and out.text == single.text
     assert out.usage.cached_tokens == decode.stats.prefix_hit_tokens_l3 == first.stored_pages * page
@@ -180,8 +179,7 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
 
 def test_a_damaged_stored_page_is_recomputed_not_used(smollm2_llm, tmp_path):
     store = PageStore(str(tmp_path), identity(smollm2_llm))
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                    tiers=TieredPages(None, store))
+    engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
     request = smollm2_llm.request(SYSTEM + "Where is the fog horn?", GREEDY)
     reference = engine.generate([request])[0]
     evict_everything(engine)
@@ -204,7 +202,7 @@ def test_pages_evicted_by_a_restore_are_copied_out_before_it_overwrites_them(smo
     """A restore allocates device pages, which can evict other cached pages: their content must go down
     to L2 before the restored content is written over it."""
     tiers = TieredPages(HostTier(capacity=256), None)
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, tiers=tiers)
+    engine = engine_on(smollm2_llm, tiers=tiers)
     first = smollm2_llm.request(SYSTEM + "When is high tide?", GREEDY)
     second = smollm2_llm.request("Lamps and tides: " * 12 + "Which comes first?", GREEDY)
     references = [engine.generate([r])[0].token_ids for r in (first, second)]
@@ -225,15 +223,14 @@ def test_a_hand_off_with_min_tokens_ignores_stop_strings_in_the_first_token(smol
 
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Name a lamp."}]
     probe = smollm2_llm.chat_request(chat, SamplingParams(max_tokens=6, temperature=0.0))
-    single = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, prefix_caching=False)
+    single = engine_on(smollm2_llm, prefix_caching=False)
     first_text = smollm2_llm.tokenizer.decode(single.generate([probe])[0].token_ids[:1]).strip()
     assert first_text
     params = SamplingParams(max_tokens=6, temperature=0.0, min_tokens=3, stop=[first_text], seed=1)
     request = smollm2_llm.chat_request(chat, params)
     expected = single.generate([request])[0]
     store = PageStore(str(tmp_path), identity(smollm2_llm))
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len,
-                    tiers=TieredPages(None, store))
+    engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
     passed = handoff(request, engine.generate([prefill_request(request)])[0])
     assert passed.finish_reason is None  # the first token cannot stop a request with min_tokens 3
     assert engine.generate([decode_request(passed)])[0].token_ids == expected.token_ids

@@ -2,7 +2,7 @@
 
 The prefill worker runs a request's prompt and samples its first id (`prefill_request`: at most
 one token, `publish_kv` on), and writes the prompt's full KV pages to the shared KV store
-(`Engine` does that as the request finishes). The hand-off is small: the prompt ids, the sampling
+(`PagePublisher`, as its prefill chunks complete). The hand-off is small: the prompt ids, the sampling
 settings with the seed fixed, the ids generated and how many pages were stored. The decode worker
 queues `decode_request(handoff)`: its scheduler reads the stored pages from the store into its own
 pool (asynchronously, as any L3 hit), recomputes the prompt's last partial page and the first id
@@ -21,12 +21,11 @@ import random
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import MAX_SEED, Request, RequestOutput
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.engine.step import TIER_CHUNK, ModelRunner
+from jaxinfer.engine.step import ModelRunner, host_pages
 from jaxinfer.kv.store import PageStore
 
 
@@ -105,13 +104,15 @@ class PagePublisher:
     def write_ready(self, done_step: int | None = None) -> None:
         """Writes the copies queued after steps up to `done_step` (read back, so the copies are done;
         None: all, waiting for them)."""
-        ready = [c for c in self._copies if done_step is None or c[0] <= done_step]
-        self._copies = [c for c in self._copies if c not in ready]
-        for _, keys, groups in ready:
-            arrays = [np.asarray(group) for group in groups]
-            for i, key in enumerate(keys):
-                self.store.put(key, arrays[i // TIER_CHUNK][i % TIER_CHUNK], wait=False)
+        waiting = []
+        for step, keys, groups in self._copies:
+            if done_step is not None and step > done_step:
+                waiting.append((step, keys, groups))
+                continue
+            for key, page in zip(keys, host_pages(groups), strict=False):  # padding rows have no key
+                self.store.put(key, page.numpy(), wait=False)
             self.stats.pages_published += len(keys)
+        self._copies = waiting
 
     def finish(self, seq: Sequence) -> int:
         """Writes the request's remaining prompt pages and waits for all; returns the pages stored."""

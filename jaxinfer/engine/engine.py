@@ -82,7 +82,7 @@ class Engine:
         self.speculator: Speculator | None = None
         if runner.spec is not None:  # a draft model: every step is a speculative round, not overlapped
             self.speculator = Speculator(runner.spec, self.scheduler, self.stats, self.cfg.draft_confidence,
-                                         max_model_len, self._stop_ids)
+                                         max_model_len, self._fill_sampling)
             self.async_scheduling = False
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1
@@ -93,7 +93,12 @@ class Engine:
         return self.scheduler.prefix_caching
 
     # -- public -----------------------------------------------------------------------------
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, request: Request) -> None:
+        """Raises RequestError naming the field and the limit for a request the engine cannot run."""
+        self._check_prompt(request.prompt_ids, request.params)
+        self._check_handoff(request)
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise RequestError("prompt: must not be empty")
         if len(prompt_ids) >= self.max_model_len:
@@ -116,9 +121,8 @@ class Engine:
                 f"{pages_needed} KV pages of {self.cfg.page_size} tokens, the pool has {self.pool.capacity}"
             )
 
-    def validate_request(self, request: Request) -> None:
-        """`validate` plus the fields of disaggregated prefill and decode."""
-        self.validate(request.prompt_ids, request.params)
+    def _check_handoff(self, request: Request) -> None:
+        """The fields of disaggregated prefill and decode (engine/disagg.py)."""
         generated, vocab = request.generated_ids, self.runner.model_cfg.vocab_size
         if len(generated) >= request.params.max_tokens:
             raise RequestError(f"generated_ids: {len(generated)} ids already generated, max_tokens is "
@@ -130,18 +134,18 @@ class Engine:
             raise RequestError(f"generated_ids: {bad} is outside the vocabulary [0, {vocab})")
         if request.generated_logprobs and len(request.generated_logprobs) != len(generated):
             raise RequestError("generated_logprobs: one per generated id is required")
-        tiers = self.scheduler.tiers
-        if (request.publish_kv or request.stored_pages) and (tiers is None or tiers.store is None):
-            raise RequestError("publish_kv / stored_pages: this engine has no KV store (engine.kv_store)")
-        if (request.publish_kv or request.stored_pages) and not self.prefix_caching:
-            raise RequestError("publish_kv / stored_pages: the engine's prefix cache is off")
+        if request.publish_kv or request.stored_pages:
+            if self._publisher is None:
+                raise RequestError("publish_kv / stored_pages: this engine has no KV store (engine.kv_store)")
+            if not self.prefix_caching:
+                raise RequestError("publish_kv / stored_pages: the engine's prefix cache is off")
 
     def generate(
         self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
     ) -> list[RequestOutput]:
         """Runs the requests to completion; outputs in request order."""
         for request in requests:
-            self.validate_request(request)
+            self.validate(request)
         sequences = [self._enqueue(r) for r in requests]  # all validated first: none queued if one is bad
         outputs: dict[int, RequestOutput] = {}
         try:
@@ -175,7 +179,7 @@ class Engine:
     # -- step-wise API (what a server drives) --------------------------------------------------
     def add_request(self, request: Request) -> Sequence:
         """Validates and queues a request; its output comes from a later `step()` (or `abort`)."""
-        self.validate_request(request)
+        self.validate(request)
         return self._enqueue(request)
 
     def _enqueue(self, request: Request) -> Sequence:
@@ -198,9 +202,7 @@ class Engine:
         started = time.perf_counter()
         waited = 0.0
         finished: list[RequestOutput] = []
-        if self.scheduler.tiers is not None:
-            self._demote_evicted()  # pages evicted since the last step (by another engine, or a test) go down first
-            self.scheduler.tiers.maybe_sweep()
+        self._tier_upkeep()
         chunks = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
         launched = self._launch(chunks) if chunks else None
         previous, self._inflight = self._inflight, launched
@@ -211,25 +213,36 @@ class Engine:
         if not self.async_scheduling and self._inflight is not None:
             launched, self._inflight = self._inflight, None
             waited += self._process(launched, finished)
-        if launched is None and previous is None and self.has_unfinished() and not self.scheduler.wait_for_store():
+        if launched is None and previous is None:
+            self._nothing_launched()
+        self._account(started, waited)
+        return finished
+
+    def _tier_upkeep(self) -> None:
+        """Pages evicted since the last step (by another engine, or a test) go down first; a due sweep runs."""
+        if self.scheduler.tiers is not None:
+            self._demote_evicted()
+            self.scheduler.tiers.maybe_sweep()
+
+    def _nothing_launched(self) -> None:
+        """A step with nothing to run: wait for a KV store read if one is under way, else fail."""
+        if self.has_unfinished() and not self.scheduler.wait_for_store():
             raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
+
+    def _account(self, started: float, waited: float) -> None:
         elapsed = time.perf_counter() - started
         self.stats.step_seconds += elapsed
         self.stats.host_seconds += elapsed - waited
-        return finished
 
     # -- speculative decoding (engine/speculator.py) -------------------------------------------
     def _speculative_step(self) -> list[RequestOutput]:
         """One synchronous round: schedule, propose with the draft, verify with the target, apply."""
         started = time.perf_counter()
         finished: list[RequestOutput] = []
-        if self.scheduler.tiers is not None:
-            self._demote_evicted()
-            self.scheduler.tiers.maybe_sweep()
+        self._tier_upkeep()
         chunks = self.scheduler.schedule(self.speculator.k) if self.scheduler.has_unfinished() else []
         if not chunks:
-            if self.has_unfinished() and not self.scheduler.wait_for_store():
-                raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
+            self._nothing_launched()
             return finished
         plan = self.speculator.plan(chunks)
         drafting = time.perf_counter()
@@ -248,17 +261,14 @@ class Engine:
                 self._apply_round(chunk.seq, tokens[row, : counts[row]], logprobs[row], finished)
         self.stats.spec_proposed += sum(len(d) for d in plan.drafts)
         self.stats.spec_rounds += sum(1 for d in plan.drafts if d)
-        elapsed = time.perf_counter() - started
-        self.stats.step_seconds += elapsed
-        self.stats.host_seconds += elapsed - waited
+        self._account(started, waited)
         return finished
 
     def _verify_arrays(self, plan: Round, num_tokens: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where each row's scored positions are in the flat batch, and the proposals as arrays."""
         logits_rows, draft_tokens, num_proposed = self.runner.spec.empty_spec(num_tokens)
         cursor = 0
-        for row, chunk in enumerate(plan.chunks):
-            drafts = plan.drafts[row] if row < len(plan.drafts) else []
+        for row, (chunk, drafts) in enumerate(zip(plan.chunks, plan.drafts, strict=True)):
             last = cursor + chunk.count - 1  # the chunk's last token, then one position per proposal
             logits_rows[row] = np.minimum(last + np.arange(logits_rows.shape[1]), last + len(drafts))
             draft_tokens[row, : len(drafts)] = drafts
@@ -267,6 +277,7 @@ class Engine:
         return logits_rows, draft_tokens, num_proposed
 
     def _count_launch(self, chunks: list[ScheduledChunk], batch: HostBatch) -> None:
+        """Counts a dispatched step and its chunks as computed; publishes their full pages."""
         self.stats.steps += 1
         self.stats.tokens_scheduled += sum(c.count for c in chunks)
         self.stats.padded_tokens += batch.num_tokens
@@ -291,12 +302,16 @@ class Engine:
             if seq.finish_reason is not None:
                 break
         if seq.finish_reason is not None:
-            stored = self._publisher.finish(seq) if seq.request.publish_kv else 0
-            self.scheduler.finish(seq)
-            finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
+            self._finish(seq, finished)
             return
         self.scheduler.trim(seq)
         self.scheduler.publish_pages(seq)
+
+    def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
+        """Publishes a prefill worker's pages, frees the sequence and records its output."""
+        stored = self._publisher.finish(seq) if seq.request.publish_kv else 0
+        self.scheduler.finish(seq)
+        finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
 
     def abort(self, index: int) -> RequestOutput | None:
         """Cancels a queued or running request now; its pages are free before the next step."""
@@ -361,26 +376,17 @@ class Engine:
         previous = self._inflight.result if self._inflight is not None else None
         batch = self._build_batch(chunks)
         result = self.runner.dispatch(batch, previous)
-        self.stats.steps += 1
-        self.stats.tokens_scheduled += sum(c.count for c in chunks)
-        self.stats.padded_tokens += batch.num_tokens
         for row, chunk in enumerate(chunks):
-            seq = chunk.seq
-            if chunk.start < len(seq.prompt_ids):
-                self.stats.prompt_tokens_computed += min(chunk.count, len(seq.prompt_ids) - chunk.start)
-            seq.num_computed = chunk.start + chunk.count
             if chunk.samples:
-                seq.inflight += 1
-                seq.last_row = row
-            self.scheduler.publish_pages(seq)
-            if seq.request.publish_kv:
-                self._publisher.publish(seq, self.stats.steps)
+                chunk.seq.inflight += 1
+                chunk.seq.last_row = row
+        self._count_launch(chunks, batch)
         return _InflightStep(chunks, result, self.stats.steps)
 
     def _build_batch(self, chunks: list[ScheduledChunk], drafts: list[list[int]] | None = None) -> HostBatch:
         """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk."""
-        drafts = drafts or []
-        extra = [len(drafts[row]) if row < len(drafts) else 0 for row in range(len(chunks))]
+        drafts = drafts or [[] for _ in chunks]
+        extra = [len(d) for d in drafts]
         total = sum(c.count for c in chunks) + sum(extra)
         batch = self.runner.empty_batch(self.runner.bucket_for(total))
         page_size, cursor = self.cfg.page_size, 0
@@ -388,7 +394,7 @@ class Engine:
             seq, end = chunk.seq, cursor + chunk.count + extra[row]
             positions = np.arange(chunk.start, chunk.start + chunk.count + extra[row], dtype=np.int32)
             pages = np.asarray(seq.pages, np.int32)
-            known = seq.tokens(chunk.start, chunk.count) + (drafts[row] if extra[row] else [])
+            known = seq.tokens(chunk.start, chunk.count) + drafts[row]
             batch.tokens[cursor : cursor + len(known)] = known
             if len(known) < chunk.count + extra[row]:  # the newest id is still on the device: read it there
                 assert len(known) == chunk.count - 1 and seq.inflight == 1, "only the newest id can be unknown"
@@ -398,18 +404,22 @@ class Engine:
             batch.write_slots[cursor:end] = pages[positions // page_size] * page_size + positions % page_size
             batch.page_table[row, : len(pages)] = pages
             batch.logits_rows[row] = end - 1
-            p = seq.params
-            batch.temperature[row], batch.top_p[row], batch.min_p[row] = p.temperature, p.top_p, p.min_p
-            batch.top_k[row] = min(p.top_k, self.runner.model_cfg.vocab_size)
-            batch.seed[row], batch.step[row] = seq.seed, seq.num_generated
-            if seq.num_generated < p.min_tokens:  # EOS and stop ids may not be sampled yet
-                banned = self._stop_ids(p)
-                batch.banned[row, : len(banned)] = banned
+            self._fill_sampling(batch, row, seq, seq.num_generated)
             cursor = end
         # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
         batch.seq_rows[cursor:] = len(chunks) - 1
         batch.positions[cursor:] = 0
         return batch
+
+    def _fill_sampling(self, batch: HostBatch, row: int, seq: Sequence, step: int) -> None:
+        """A row's sampling settings, for the sample drawn after `step` generated ids."""
+        p = seq.params
+        batch.temperature[row], batch.top_p[row], batch.min_p[row] = p.temperature, p.top_p, p.min_p
+        batch.top_k[row] = min(p.top_k, self.runner.model_cfg.vocab_size)
+        batch.seed[row], batch.step[row] = seq.seed, step
+        if seq.num_generated < p.min_tokens:  # EOS and stop ids may not be sampled yet
+            banned = self._stop_ids(p)
+            batch.banned[row, : len(banned)] = banned
 
     def _process(self, step: _InflightStep, finished: list[RequestOutput]) -> float:
         """Reads a step's sampled ids back and applies them; returns the seconds spent waiting for the device."""
@@ -428,9 +438,7 @@ class Engine:
                 continue
             self._append(seq, int(tokens[row]), float(logprobs[row]))
             if seq.finish_reason is not None:
-                stored = self._publisher.finish(seq) if seq.request.publish_kv else 0
-                self.scheduler.finish(seq)
-                finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
+                self._finish(seq, finished)
             else:
                 self.scheduler.publish_pages(seq)
         return waited

@@ -88,7 +88,7 @@ class Request:
     request_id: str = ""
     forged_tokens: int = 0  # control tokens forged in user text and encoded as plain text
     cache_salt: str = ""  # prefix-cache namespace (the tenant): pages are shared only within one salt
-    # Disaggregated prefill and decode (kv/channel.py). A prefill worker's request sets `publish_kv`:
+    # Disaggregated prefill and decode (engine/disagg.py). A prefill worker's request sets `publish_kv`:
     # when it finishes, its prompt's full KV pages are written to the KV store. The decode worker's
     # request continues from the ids generated there, and reads the `stored_pages` leading pages.
     publish_kv: bool = False

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections import deque
 from collections.abc import Callable
 
@@ -183,7 +182,9 @@ class Scheduler:
         if owner is not None and owner is not seq:
             self.pool.free(pages)
             return False
-        seq.store_read = None
+        if seq.store_read is not None:
+            self.stats.store_read_seconds += seq.store_read.seconds
+            seq.store_read = None
         seq.pages, seq.page_keys, seq.num_computed = pages, keys[: len(pages)], len(pages) * page_size
         seq.pending_keys = [k for k in keys[len(pages) :] if self._pending.setdefault(k, seq) is seq]
         if seq.cached_tokens < 0:
@@ -207,12 +208,7 @@ class Scheduler:
             seq.store_read = store.read_async(wanted)
             self.stats.store_reads += 1
             return True  # admitted at a later step, never in the one that started the read
-        if not seq.store_read.done():
-            return True
-        if seq.store_read.finished is None:
-            seq.store_read.finished = time.perf_counter()
-            self.stats.store_read_seconds += seq.store_read.finished - seq.store_read.started
-        return False
+        return not seq.store_read.done()
 
     @staticmethod
     def _contiguous(keys: list[bytes], first: int, hinted: int, store: PageStore) -> list[bytes]:

@@ -106,6 +106,10 @@ class SpecRunner:
         self._propose_exes: dict[int, jax.stages.Compiled] = {}
         self._verify_exes: dict[int, jax.stages.Compiled] = {}
 
+    @property
+    def num_compiles(self) -> int:
+        return len(self._verify_exes) + len(self._propose_exes)
+
     # -- host arrays -----------------------------------------------------------------------------
     def empty_spec(self, bucket: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(logits_rows [S, K+1], draft_tokens [max_seqs, K], num_proposed [max_seqs]), all zero."""

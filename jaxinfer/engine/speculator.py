@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxinfer.engine.metrics import EngineStats
-from jaxinfer.engine.params import SamplingParams
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.sequence import ScheduledChunk
+from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.engine.spec_step import ProposeResult, SpecRunner
+from jaxinfer.engine.step import HostBatch
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Round:
 
     chunks: list[ScheduledChunk]
     budgets: list[int]  # proposals allowed per speculating row
-    drafts: list[list[int]] = field(default_factory=list)
+    drafts: list[list[int]] = field(default_factory=list)  # per chunk (empty for the others)
     proposals: list[ProposeResult] = field(default_factory=list)
 
     @property
@@ -48,9 +48,10 @@ class Round:
 
 class Speculator:
     def __init__(self, spec: SpecRunner, scheduler: Scheduler, stats: EngineStats, confidence: float,
-                 max_model_len: int, stop_ids: Callable[[SamplingParams], list[int]]):
+                 max_model_len: int, fill_sampling: Callable[[HostBatch, int, Sequence, int], None]):
+        """`fill_sampling(batch, row, seq, step)` writes a row's sampling settings (the engine's)."""
         self.spec, self.scheduler, self.stats = spec, scheduler, stats
-        self.confidence, self.max_model_len, self.stop_ids = confidence, max_model_len, stop_ids
+        self.confidence, self.max_model_len, self.fill_sampling = confidence, max_model_len, fill_sampling
         self.k = spec.k
 
     def plan(self, chunks: list[ScheduledChunk]) -> Round:
@@ -82,7 +83,7 @@ class Speculator:
     def propose(self, plan: Round, empty_batch, bucket_for) -> None:
         """Runs the draft loop, filling `plan.drafts` and `plan.proposals`."""
         rows, page_size = plan.rows, self.scheduler.cfg.page_size
-        plan.drafts = [[] for _ in rows]
+        plan.drafts = [[] for _ in plan.chunks]
         if not rows:
             return
         active = [True] * len(rows)
@@ -102,13 +103,7 @@ class Speculator:
                 if i < plan.budgets[j]:  # past its budget a row writes to the null page
                     batch.write_slots[j] = seq.pages[position // page_size] * page_size + position % page_size
                 batch.page_table[j, : len(seq.pages)] = seq.pages
-                p = seq.params
-                batch.temperature[j], batch.top_p[j], batch.min_p[j] = p.temperature, p.top_p, p.min_p
-                batch.top_k[j] = min(p.top_k, self.spec.draft_cfg.vocab_size)
-                batch.seed[j], batch.step[j] = seq.seed, seq.num_generated + i
-                if seq.num_generated < p.min_tokens:  # as in the verify step: no stop id before min_tokens
-                    banned = self.stop_ids(p)
-                    batch.banned[j, : len(banned)] = banned
+                self.fill_sampling(batch, j, seq, seq.num_generated + i)  # as the verify step samples
             batch.seq_rows[len(rows) :] = len(rows) - 1
             previous = self.spec.propose(batch, previous)
             plan.proposals.append(previous)

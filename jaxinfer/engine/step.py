@@ -125,6 +125,14 @@ def _import_rows(device_sharding, caches, group: jax.Array, rows: jax.Array, pag
     return _import(caches, pages, jax.device_put(group, device_sharding)[rows])
 
 
+def host_pages(groups: list[jax.Array]) -> list[HostPage]:
+    """The pages of `export_pages`' groups, in order (padding rows included), as host pages.
+
+    Without pinned host memory the copies are device arrays: they become numpy copies here."""
+    groups = [g if g.sharding.memory_kind == "pinned_host" else np.asarray(g) for g in groups]
+    return [HostPage(group, row) for group in groups for row in range(TIER_CHUNK)]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
@@ -238,8 +246,7 @@ class ModelRunner:
 
     @property
     def num_compiles(self) -> int:
-        spec = len(self.spec._verify_exes) + len(self.spec._propose_exes) if self.spec is not None else 0
-        return len(self._executables) + spec
+        return len(self._executables) + (self.spec.num_compiles if self.spec is not None else 0)
 
     # -- run -------------------------------------------------------------------------------
     def dispatch(self, batch: HostBatch, previous: StepResult | None = None) -> StepResult:
@@ -285,10 +292,8 @@ class ModelRunner:
         """Hands the copied pages to the lower tiers (L2 keeps the host groups; L3 waits for their bytes)."""
         exports, self._exports = self._exports, []
         for keys, groups in exports:
-            # Without pinned host memory the copies are device arrays: L2 must hold host copies.
-            groups = [g if g.sharding.memory_kind == "pinned_host" else np.asarray(g) for g in groups]
-            for i, key in enumerate(keys):
-                self.tiers.demote(key, HostPage(groups[i // TIER_CHUNK], i % TIER_CHUNK))
+            for key, page in zip(keys, host_pages(groups), strict=False):  # padding rows have no key
+                self.tiers.demote(key, page)
 
     def export_pages(self, pages: list[int]) -> list[jax.Array]:
         """Enqueues copies of `pages` (in TIER_CHUNK groups, padded with page 0); host copies start at once.

@@ -88,11 +88,18 @@ class PendingRead:
         self._store, self.keys = store, keys
         self._futures = [store._kv.read(store._key(key)) for key in keys]
         self.started = time.perf_counter()
-        self.finished: float | None = None  # when the reader saw it done (set by the scheduler)
+        self.finished: float | None = None  # when `done` first found it done
         self._pages: dict[bytes, np.ndarray] | None = None
 
     def done(self) -> bool:
-        return all(future.done() for future in self._futures)
+        if self.finished is None and all(future.done() for future in self._futures):
+            self.finished = time.perf_counter()
+        return self.finished is not None
+
+    @property
+    def seconds(self) -> float:
+        """From the start until `done` saw it done (the latency its request waited)."""
+        return (self.finished or time.perf_counter()) - self.started
 
     def wait(self) -> None:
         for future in self._futures:
@@ -123,7 +130,7 @@ class PageStore:
         self.stats = StoreStats()
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0  # of the index's entries (read by the metrics thread: no iteration there)
-        self._writes: list[tuple[bytes, ts.Future]] = []  # asynchronous writes not yet known to be done
+        self._writes: dict[bytes, ts.Future] = {}  # background writes not yet known to be done, by page
         damaged = self._scan()
         if ttl_seconds > 0 or max_bytes > 0:
             self._remove_stale(damaged, time.time())
@@ -190,7 +197,7 @@ class PageStore:
         if wait:
             future.result()
         else:
-            self._writes.append((page_key, future))
+            self._writes[page_key] = future
             self._reap_writes()
         self._index_set(page_key, _Entry(len(data), created))
         self.stats.writes += 1
@@ -198,10 +205,10 @@ class PageStore:
         self._enforce_capacity()
 
     def _reap_writes(self, block: bool = False) -> None:
-        pending = []
-        for page_key, future in self._writes:
+        pending = {}
+        for page_key, future in self._writes.items():
             if not (block or future.done()):
-                pending.append((page_key, future))
+                pending[page_key] = future
                 continue
             try:
                 future.result()
@@ -216,14 +223,13 @@ class PageStore:
         self._reap_writes(block=True)
 
     def _enforce_capacity(self) -> None:
-        if self.max_bytes <= 0:
-            return
+        if self.max_bytes <= 0 or self.num_bytes <= self.max_bytes:
+            return  # the common case, on every write: no sort of the index
         total = self.num_bytes
-        writing = {key for key, _ in self._writes}  # deleted once written, by a later enforcement
         for page_key, entry in sorted(self._index.items(), key=lambda item: item[1].created):
             if total <= self.max_bytes:
                 break
-            if page_key in writing:
+            if page_key in self._writes:  # deleted once written, by a later enforcement
                 continue
             self._delete(page_key)
             total -= entry.nbytes
@@ -239,7 +245,7 @@ class PageStore:
     def _accept(self, page_key: bytes, result: ts.KvStore.ReadResult) -> np.ndarray | None:
         """A read's page if it is intact and unexpired; counts the hit or miss, deletes a damaged value."""
         if result.state != "value":
-            if not any(key == page_key for key, _ in self._writes):  # not still being written here
+            if page_key not in self._writes:  # not still being written here
                 self._index_pop(page_key)  # removed by another process
             self.stats.misses += 1
             return None
@@ -247,7 +253,7 @@ class PageStore:
         if parsed is None:
             self.stats.corrupt += 1
             self._delete(page_key)
-        elif self._expired(parsed[0], time.time()):
+        elif self._expired(parsed[0]["created"], time.time()):
             parsed = None
         if parsed is None:
             self.stats.misses += 1
@@ -281,8 +287,8 @@ class PageStore:
         except (ValueError, KeyError, TypeError):
             return None
 
-    def _expired(self, header: dict, now: float) -> bool:
-        return self.ttl_seconds > 0 and header["created"] + self.ttl_seconds < now
+    def _expired(self, created: float, now: float) -> bool:
+        return self.ttl_seconds > 0 and created + self.ttl_seconds < now
 
     def keys(self) -> list[bytes]:
         """Prefix-cache keys of this model's stored pages (a listing of the store)."""
@@ -296,7 +302,7 @@ class PageStore:
         return self._remove_stale(self._scan(), time.time() if now is None else now)
 
     def _remove_stale(self, damaged: list[bytes], now: float) -> int:
-        expired = [k for k, e in self._index.items() if self.ttl_seconds > 0 and e.created + self.ttl_seconds < now]
+        expired = [k for k, e in self._index.items() if self._expired(e.created, now)]
         for page_key in damaged + expired:
             self._delete(page_key)
         self.stats.expired += len(damaged) + len(expired)

@@ -49,20 +49,12 @@ class HostPage:
         return np.asarray(self.group)[self.row]
 
 
-def as_numpy(page: HostPage | np.ndarray) -> np.ndarray:
-    return page.numpy() if isinstance(page, HostPage) else page
-
-
-def _group_of(page: HostPage | np.ndarray) -> object:
-    return page.group if isinstance(page, HostPage) else page
-
-
 class HostTier:
     """L2: up to `capacity` pages in host memory, least recently used first out."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
-        self._pages: OrderedDict[bytes, HostPage | np.ndarray] = OrderedDict()
+        self._pages: OrderedDict[bytes, HostPage] = OrderedDict()
         self._groups: Counter[int] = Counter()  # id(group) -> pages of it held
         self.num_bytes = 0  # bytes of the groups held
 
@@ -72,41 +64,38 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._pages
 
-    def _hold(self, page: HostPage | np.ndarray) -> None:
-        group = _group_of(page)
-        if self._groups[id(group)] == 0:
-            self.num_bytes += group.nbytes
-        self._groups[id(group)] += 1
+    def _hold(self, page: HostPage) -> None:
+        if self._groups[id(page.group)] == 0:
+            self.num_bytes += page.group.nbytes
+        self._groups[id(page.group)] += 1
 
-    def _release(self, page: HostPage | np.ndarray) -> None:
-        group = _group_of(page)
-        self._groups[id(group)] -= 1
-        if self._groups[id(group)] == 0:
-            del self._groups[id(group)]
-            self.num_bytes -= group.nbytes
+    def _release(self, page: HostPage) -> None:
+        self._groups[id(page.group)] -= 1
+        if self._groups[id(page.group)] == 0:
+            del self._groups[id(page.group)]
+            self.num_bytes -= page.group.nbytes
 
-    def get(self, key: bytes) -> HostPage | np.ndarray | None:
+    def get(self, key: bytes) -> HostPage | None:
         page = self._pages.get(key)
         if page is not None:
             self._pages.move_to_end(key)
         return page
 
-    def drain(self) -> list[tuple[bytes, HostPage | np.ndarray]]:
+    def drain(self) -> list[tuple[bytes, HostPage]]:
         """Takes every page out, least recently used first."""
         pages, self._pages = list(self._pages.items()), OrderedDict()
         self._groups.clear()
         self.num_bytes = 0
         return pages
 
-    def put(self, key: bytes, page: HostPage | np.ndarray) -> list[tuple[bytes, HostPage | np.ndarray]]:
+    def put(self, key: bytes, page: HostPage) -> list[tuple[bytes, HostPage]]:
         """Stores a page; returns the pages pushed out to make room (for the tier below)."""
         if key in self._pages:
             self._release(self._pages[key])
         self._pages[key] = page
         self._pages.move_to_end(key)
         self._hold(page)
-        unit = page.group.nbytes // len(page.group) if isinstance(page, HostPage) else page.nbytes
-        limit = max(self.capacity * unit, _group_of(page).nbytes)
+        limit = max(self.capacity * page.group.nbytes // len(page.group), page.group.nbytes)
         pushed = []
         while len(self._pages) > self.capacity or self.num_bytes > limit:
             pushed.append(self._pages.popitem(last=False))
@@ -133,7 +122,7 @@ class TieredPages:
             return
         log.info("KV store sweep: %d values removed, %d pages held", removed, self.store.num_pages)
 
-    def demote(self, key: bytes, page: HostPage | np.ndarray) -> None:
+    def demote(self, key: bytes, page: HostPage) -> None:
         pushed = [(key, page)]
         if self.host is not None:
             pushed = self.host.put(key, page)
@@ -149,15 +138,15 @@ class TieredPages:
         self.store.flush()
         return len(pages)
 
-    def _to_store(self, pages: list[tuple[bytes, HostPage | np.ndarray]]) -> None:
+    def _to_store(self, pages: list[tuple[bytes, HostPage]]) -> None:
         if self.store is None:
             return  # no L3: pages pushed out of L2 are dropped
         for key, page in pages:
             if key not in self.store:  # restored from L3 earlier: the stored copy is the same
-                self.store.put(key, as_numpy(page), wait=False)
+                self.store.put(key, page.numpy(), wait=False)
                 self.stats.demoted_l3 += 1
 
-    def host_page(self, key: bytes) -> HostPage | np.ndarray | None:
+    def host_page(self, key: bytes) -> HostPage | None:
         return self.host.get(key) if self.host is not None else None
 
     def in_host(self, key: bytes) -> bool:

@@ -1,0 +1,30 @@
+"""Proto messages <-> engine values: sampling settings and finish reasons, for every service."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxinfer.engine.params import SamplingParams
+from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 128
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+REASON_OF = {code: name for name, code in FINISH_REASONS.items()}
+OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "num_draft_tokens")
+
+
+def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
+    """Proto sampling settings -> SamplingParams (which names the field and the limit when one is bad)."""
+    values: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    for name in OPTIONAL:
+        if proto.HasField(name):
+            values[name] = getattr(proto, name)
+    return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
+                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs)
+
+
+def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
+    """SamplingParams -> proto (every field explicit, so the peer applies no defaults of its own)."""
+    return pb.SamplingParams(**{name: getattr(params, name) for name in OPTIONAL}, stop=list(params.stop),
+                             stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                             logprobs=params.logprobs)
