@@ -1,0 +1,384 @@
+"""Decoder for the WebAssembly binary format (1.0 sections, instructions with their immediates).
+
+Text modules are first turned into binary by wasmtime's ``wat2wasm``; everything after that reads
+the binary through this module, so there is one front end whatever the input was.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+from jaxinfer.processor.opcodes import OPCODES, VALUE_TYPE_BYTES, OpInfo
+
+MAGIC = b"\x00asm"
+VERSION = b"\x01\x00\x00\x00"
+
+
+class MalformedModule(ValueError):
+    """The bytes are not a well-formed WebAssembly binary."""
+
+
+@dataclass(frozen=True)
+class FuncType:
+    params: str
+    results: str
+
+
+@dataclass(frozen=True)
+class Limits:
+    minimum: int
+    maximum: int | None
+
+
+@dataclass(frozen=True)
+class Instruction:
+    info: OpInfo
+    immediates: tuple = ()
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str
+    name: str
+    kind: str  # "func" | "table" | "memory" | "global"
+    desc: object  # type index | Limits | (value type, mutable)
+
+
+@dataclass(frozen=True)
+class Global:
+    value_type: str
+    mutable: bool
+    init: tuple[Instruction, ...]
+
+
+@dataclass(frozen=True)
+class Function:
+    type_index: int
+    local_types: str
+    body: tuple[Instruction, ...]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """An element or data segment: the index space it fills, its offset expression and payload."""
+
+    index: int
+    offset: tuple[Instruction, ...]
+    payload: object  # list of function indices | bytes
+
+
+@dataclass
+class Module:
+    types: list[FuncType] = field(default_factory=list)
+    imports: list[Import] = field(default_factory=list)
+    function_types: list[int] = field(default_factory=list)
+    tables: list[Limits] = field(default_factory=list)
+    memories: list[Limits] = field(default_factory=list)
+    globals: list[Global] = field(default_factory=list)
+    exports: dict[str, tuple[str, int]] = field(default_factory=dict)
+    start: int | None = None
+    elements: list[Segment] = field(default_factory=list)
+    data: list[Segment] = field(default_factory=list)
+    functions: list[Function] = field(default_factory=list)
+
+    def imported(self, kind: str) -> list[Import]:
+        return [entry for entry in self.imports if entry.kind == kind]
+
+
+class _Reader:
+    def __init__(self, data: bytes, position: int = 0, end: int | None = None) -> None:
+        self.data = data
+        self.position = position
+        self.end = len(data) if end is None else end
+
+    def at_end(self) -> bool:
+        return self.position >= self.end
+
+    def byte(self) -> int:
+        if self.position >= self.end:
+            raise MalformedModule("unexpected end")
+        value = self.data[self.position]
+        self.position += 1
+        return value
+
+    def raw(self, count: int) -> bytes:
+        if self.position + count > self.end:
+            raise MalformedModule("unexpected end")
+        chunk = self.data[self.position : self.position + count]
+        self.position += count
+        return bytes(chunk)
+
+    def unsigned(self, bits: int = 32) -> int:
+        result = shift = 0
+        for _ in range((bits + 6) // 7):
+            value = self.byte()
+            result |= (value & 0x7F) << shift
+            shift += 7
+            if not value & 0x80:
+                if result >= 1 << bits:
+                    raise MalformedModule("integer too large")
+                return result
+        raise MalformedModule("integer representation too long")
+
+    def signed(self, bits: int) -> int:
+        result = shift = 0
+        for _ in range((bits + 6) // 7):
+            value = self.byte()
+            result |= (value & 0x7F) << shift
+            shift += 7
+            if not value & 0x80:
+                if value & 0x40:
+                    result -= 1 << shift
+                if not -(1 << (bits - 1)) <= result < 1 << (bits - 1):
+                    raise MalformedModule("integer too large")
+                return result
+        raise MalformedModule("integer representation too long")
+
+    def name(self) -> str:
+        try:
+            return self.raw(self.unsigned()).decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise MalformedModule("malformed UTF-8 encoding") from error
+
+    def vector(self, read_item) -> list:
+        return [read_item() for _ in range(self.unsigned())]
+
+    def value_type(self) -> str:
+        code = self.byte()
+        if code not in VALUE_TYPE_BYTES:
+            raise MalformedModule(f"malformed value type 0x{code:02x}")
+        return VALUE_TYPE_BYTES[code]
+
+    def limits(self) -> Limits:
+        flag = self.byte()
+        if flag not in (0, 1):
+            raise MalformedModule("integer too large" if flag > 1 else "malformed limits flags")
+        minimum = self.unsigned()
+        return Limits(minimum, self.unsigned() if flag else None)
+
+
+def _read_block_type(reader: _Reader) -> object:
+    code = reader.data[reader.position] if reader.position < reader.end else None
+    if code == 0x40:
+        reader.position += 1
+        return ""
+    if code in VALUE_TYPE_BYTES:
+        reader.position += 1
+        return VALUE_TYPE_BYTES[code]
+    index = reader.signed(33)
+    if index < 0:
+        raise MalformedModule("malformed block type")
+    return index
+
+
+def _read_immediates(reader: _Reader, info: OpInfo) -> tuple:
+    kind = info.immediate
+    if kind == "":
+        return ()
+    if kind == "block":
+        return (_read_block_type(reader),)
+    if kind in ("label", "func", "local", "global"):
+        return (reader.unsigned(),)
+    if kind == "labels":
+        return (tuple(reader.vector(reader.unsigned)), reader.unsigned())
+    if kind == "indirect":
+        type_index = reader.unsigned()
+        if reader.byte() != 0:
+            raise MalformedModule("zero byte expected")
+        return (type_index,)
+    if kind == "memarg":
+        return (reader.unsigned(), reader.unsigned())
+    if kind == "zero":
+        if reader.byte() != 0:
+            raise MalformedModule("zero byte expected")
+        return ()
+    if kind == "i32":
+        return (reader.signed(32),)
+    if kind == "i64":
+        return (reader.signed(64),)
+    if kind == "f32":
+        return (struct.unpack("<I", reader.raw(4))[0],)
+    return (struct.unpack("<Q", reader.raw(8))[0],)
+
+
+def read_expression(reader: _Reader) -> tuple[Instruction, ...]:
+    """Instructions up to and including the ``end`` that closes the expression."""
+    instructions = []
+    depth = 0
+    while True:
+        code = reader.byte()
+        info = OPCODES.get(code)
+        if info is None:
+            prefix = f"0x{code:02x}" if code not in (0xFC, 0xFD) else f"prefixed opcode 0x{code:02x}"
+            raise MalformedModule(f"illegal opcode {prefix}")
+        instructions.append(Instruction(info, _read_immediates(reader, info)))
+        if info.name in ("block", "loop", "if"):
+            depth += 1
+        elif info.name == "end":
+            if depth == 0:
+                return tuple(instructions)
+            depth -= 1
+
+
+def _read_code_entry(reader: _Reader) -> tuple[str, tuple[Instruction, ...]]:
+    size = reader.unsigned()
+    body = _Reader(reader.data, reader.position, reader.position + size)
+    if body.end > reader.end:
+        raise MalformedModule("unexpected end")
+    local_types = []
+    total = 0
+    for _ in range(body.unsigned()):
+        count = body.unsigned()
+        total += count
+        if total > 50_000:
+            raise MalformedModule("too many locals")
+        local_types.append(body.value_type() * count)
+    instructions = read_expression(body)
+    if not body.at_end():
+        raise MalformedModule("section size mismatch")
+    reader.position = body.end
+    return "".join(local_types), instructions
+
+
+def _read_import(reader: _Reader) -> Import:
+    module, name, kind = reader.name(), reader.name(), reader.byte()
+    if kind == 0:
+        return Import(module, name, "func", reader.unsigned())
+    if kind == 1:
+        if reader.byte() != 0x70:
+            raise MalformedModule("malformed element type")
+        return Import(module, name, "table", reader.limits())
+    if kind == 2:
+        return Import(module, name, "memory", reader.limits())
+    if kind == 3:
+        value_type = reader.value_type()
+        return Import(module, name, "global", (value_type, _read_mutability(reader)))
+    raise MalformedModule("malformed import kind")
+
+
+def _read_mutability(reader: _Reader) -> bool:
+    flag = reader.byte()
+    if flag not in (0, 1):
+        raise MalformedModule("malformed mutability")
+    return bool(flag)
+
+
+def _read_func_type(reader: _Reader) -> FuncType:
+    if reader.byte() != 0x60:
+        raise MalformedModule("integer representation too long")
+    params = "".join(reader.vector(reader.value_type))
+    return FuncType(params, "".join(reader.vector(reader.value_type)))
+
+
+def _read_table(reader: _Reader) -> Limits:
+    if reader.byte() != 0x70:
+        raise MalformedModule("malformed element type")
+    return reader.limits()
+
+
+def _read_global(reader: _Reader) -> Global:
+    value_type = reader.value_type()
+    mutable = _read_mutability(reader)
+    return Global(value_type, mutable, read_expression(reader))
+
+
+def _read_export(reader: _Reader) -> tuple[str, tuple[str, int]]:
+    name = reader.name()
+    kind = reader.byte()
+    if kind > 3:
+        raise MalformedModule("malformed export kind")
+    return name, (("func", "table", "memory", "global")[kind], reader.unsigned())
+
+
+def _read_element(reader: _Reader) -> Segment:
+    table = reader.unsigned()
+    if table != 0:
+        raise MalformedModule("unsupported element segment flags")
+    offset = read_expression(reader)
+    return Segment(table, offset, reader.vector(reader.unsigned))
+
+
+def _read_data(reader: _Reader) -> Segment:
+    memory = reader.unsigned()
+    if memory != 0:
+        raise MalformedModule("unsupported data segment flags")
+    offset = read_expression(reader)
+    return Segment(memory, offset, reader.raw(reader.unsigned()))
+
+
+def _read_sections(module: Module, reader: _Reader) -> list[tuple[str, tuple[Instruction, ...]]]:
+    codes: list[tuple[str, tuple[Instruction, ...]]] = []
+    last_id = 0
+    while not reader.at_end():
+        section_id = reader.byte()
+        size = reader.unsigned()
+        section = _Reader(reader.data, reader.position, reader.position + size)
+        if section.end > reader.end:
+            raise MalformedModule("unexpected end of section or function")
+        if section_id != 0:
+            if section_id > 11 and section_id != 12:
+                raise MalformedModule(f"malformed section id {section_id}")
+            if section_id <= last_id:
+                raise MalformedModule("unexpected content after last section")
+            last_id = section_id
+        _read_section(module, section_id, section, codes)
+        if not section.at_end():
+            raise MalformedModule("section size mismatch")
+        reader.position = section.end
+    return codes
+
+
+def _read_section(module: Module, section_id: int, section: _Reader, codes: list) -> None:
+    if section_id == 0:
+        section.name()
+        section.position = section.end
+    elif section_id == 1:
+        module.types = section.vector(lambda: _read_func_type(section))
+    elif section_id == 2:
+        module.imports = section.vector(lambda: _read_import(section))
+    elif section_id == 3:
+        module.function_types = section.vector(section.unsigned)
+    elif section_id == 4:
+        module.tables = section.vector(lambda: _read_table(section))
+    elif section_id == 5:
+        module.memories = section.vector(section.limits)
+    elif section_id == 6:
+        module.globals = section.vector(lambda: _read_global(section))
+    elif section_id == 7:
+        exports = section.vector(lambda: _read_export(section))
+        module.exports = dict(exports)
+        if len(module.exports) != len(exports):
+            raise MalformedModule("duplicate export name")
+    elif section_id == 8:
+        module.start = section.unsigned()
+    elif section_id == 9:
+        module.elements = section.vector(lambda: _read_element(section))
+    elif section_id == 10:
+        codes.extend(section.vector(lambda: _read_code_entry(section)))
+    elif section_id == 11:
+        module.data = section.vector(lambda: _read_data(section))
+    else:
+        section.unsigned()
+
+
+def decode(data: bytes) -> Module:
+    """Decode a binary module; raises MalformedModule with the spec's wording where it has one."""
+    data = bytes(data)
+    if data[:4] != MAGIC:
+        raise MalformedModule("magic header not detected")
+    if data[4:8] != VERSION:
+        raise MalformedModule("unknown binary version")
+    module = Module()
+    codes = _read_sections(module, _Reader(data, 8))
+    if len(codes) != len(module.function_types):
+        raise MalformedModule("function and code section have inconsistent lengths")
+    module.functions = [
+        Function(type_index, local_types, body)
+        for type_index, (local_types, body) in zip(module.function_types, codes, strict=True)
+    ]
+    return module

@@ -1,0 +1,174 @@
+"""Host API of the processor: compile a module, instantiate it, invoke its exports on the machine.
+
+An ``Instance`` keeps a module's globals and linear memory on the host between invocations (the
+spec tests and multi-turn state rely on that) and runs each invocation on a one-slot machine
+through ``machine.advance`` in chunks, checking the wall-clock limit between chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import jax
+import numpy as np
+import wasmtime
+
+from jaxinfer.processor import machine
+from jaxinfer.processor.binary import MalformedModule, Module, decode
+from jaxinfer.processor.isa import RECORD_WIDTH, Status, Trap
+from jaxinfer.processor.lower import Program, Unsupported, lower
+from jaxinfer.processor.validate import InvalidModule, validate
+
+DEFAULT_REGISTERS = 16384
+DEFAULT_MAX_DEPTH = 1024
+DEFAULT_MEMORY_PAGES = 16
+STEPS_PER_CALL = 1 << 22
+
+
+@dataclass
+class ExecResult:
+    """What one invocation produced. ``values`` are bit patterns as unsigned ints, as in the spec tests."""
+
+    values: list[int]
+    trap: str | None
+    instructions: int
+    stdout: bytes = b""
+    files_written: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class CompiledModule:
+    module: Module
+    program: Program
+
+
+def to_binary(source: bytes | str) -> bytes:
+    """WebAssembly text (str, or bytes not starting with the magic) to binary with wasmtime's wat2wasm."""
+    if isinstance(source, bytes | bytearray) and bytes(source[:4]) == b"\x00asm":
+        return bytes(source)
+    text = source.decode("utf-8") if isinstance(source, bytes | bytearray) else source
+    try:
+        return bytes(wasmtime.wat2wasm(text))
+    except wasmtime.WasmtimeError as error:
+        raise MalformedModule(str(error).splitlines()[0]) from error
+
+
+def compile_module(source: bytes | str) -> CompiledModule:
+    """Parse, validate and lower; raises MalformedModule, InvalidModule or Unsupported."""
+    module = decode(to_binary(source))
+    validate(module)
+    return CompiledModule(module, lower(module))
+
+
+def _bucket(value: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, (value - 1).bit_length()))
+
+
+@functools.lru_cache(maxsize=16)
+def _advance_for(shape: machine.MachineShape):
+    return jax.jit(functools.partial(machine.advance, shape=shape), donate_argnums=0)
+
+
+class Instance:
+    """A module instance: globals and memory that persist across invocations."""
+
+    def __init__(self, compiled: CompiledModule, *, memory_pages: int = DEFAULT_MEMORY_PAGES,
+                 max_call_depth: int = DEFAULT_MAX_DEPTH, registers: int = DEFAULT_REGISTERS) -> None:
+        program = compiled.program
+        self.program = program
+        self.globals = np.array([[value & 0xFFFFFFFF, value >> 32] for value in program.global_inits],
+                                np.uint32).reshape(-1, 2)
+        minimum, maximum = program.memory or (0, 0)
+        if minimum > memory_pages:
+            raise Unsupported(f"memory of {minimum} pages is over the limit memory_pages={memory_pages}")
+        self.pages = minimum
+        self.max_pages = min(memory_pages, 65536 if maximum is None else maximum)
+        self.memory_limit = memory_pages
+        memory = np.zeros((1, _bucket(memory_pages, 1) * machine.PAGE_BYTES + 8), np.uint8)
+        for offset, payload in program.data:
+            if offset + len(payload) > minimum * machine.PAGE_BYTES:
+                raise Unsupported("data segment does not fit in memory")
+            memory[0, offset : offset + len(payload)] = np.frombuffer(payload, np.uint8)
+        self.memory = jax.numpy.asarray(memory)  # stays on the device between invocations
+        code_length = _bucket(len(program.code), 256)
+        self.code = np.zeros((1, code_length, RECORD_WIDTH), np.int32)
+        self.code[0, : len(program.code)] = program.code
+        self.device_code = jax.numpy.asarray(self.code)
+        self.shape = machine.MachineShape(1, code_length, registers, _bucket(memory_pages, 1), max_call_depth)
+        if program.start is not None:
+            result = self.call(program.start, [])
+            if result.trap:
+                raise RuntimeError(f"start function trapped: {result.trap}")
+
+    def global_value(self, name: str) -> int:
+        kind, index = self.program.exports.get(name, (None, None))
+        if kind != "global":
+            raise KeyError(f"no exported global {name!r}")
+        value_type = self.program.global_types[index][0]
+        if value_type in "fF":
+            raise Unsupported(f"{'f32' if value_type == 'f' else 'f64'} global")
+        low, high = (int(word) for word in self.globals[index])
+        return low if value_type == "i" else low | high << 32
+
+    def invoke(self, name: str, args: list[int] = (), **limits) -> ExecResult:
+        return self.call(self.program.function_index(name), list(args), **limits)
+
+    def call(self, function: int, args: list[int], *, max_instructions: int = 2**31 - 1,
+             timeout_seconds: float | None = None) -> ExecResult:
+        program = self.program
+        if function in program.unsupported:
+            raise Unsupported(program.unsupported[function])
+        code = program.functions[function]
+        state = self._initial_state(code, args, max_instructions)
+        deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+        advance = _advance_for(self.shape)
+        device_code = self.device_code
+        while True:
+            state = advance(state, device_code, np.int32(STEPS_PER_CALL))
+            status = int(state.status[0])
+            if status != Status.RUNNING:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                return self._finish(state, code, Trap.TIMEOUT)
+        return self._finish(state, code, Trap(int(state.trap[0])) if status == Status.TRAPPED else None)
+
+    def _initial_state(self, code, args: list[int], max_instructions: int) -> machine.MachineState:
+        if len(args) != len(code.params):
+            raise ValueError(f"args: expected {len(code.params)} values, got {len(args)}")
+        registers = np.zeros((1, self.shape.registers + 1, 2), np.uint32)
+        base = len(self.globals)
+        registers[0, :base] = self.globals
+        for index, value in enumerate(args):  # register 0 of the frame is its (unused) link
+            registers[0, base + 1 + index] = (value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF)
+        one = functools.partial(np.full, (1,), dtype=np.int32)
+        return machine.MachineState(
+            pc=one(code.entry), fp=one(base), depth=one(0), status=one(Status.RUNNING), trap=one(0),
+            fuel=one(max_instructions), executed=one(0), pages=one(self.pages), max_pages=one(self.max_pages),
+            registers=jax.numpy.asarray(registers), memory=self.memory,
+        )
+
+    def _finish(self, state: machine.MachineState, code, trap: Trap | None) -> ExecResult:
+        registers = np.asarray(state.registers[0])
+        base = len(self.globals)
+        self.globals = registers[:base].copy()
+        self.memory = state.memory
+        self.pages = int(state.pages[0])
+        values = []
+        if trap is None:
+            for index, value_type in enumerate(code.results):
+                low, high = (int(word) for word in registers[base + index])
+                values.append(low if value_type == "i" else low | high << 32)
+        return ExecResult(values, trap.message if trap is not None else None, int(state.executed[0]))
+
+
+def run(module: bytes | str, func: str = "main", args: list[int] = (), *, max_instructions: int = 10_000_000,
+        memory_pages: int = DEFAULT_MEMORY_PAGES, timeout_seconds: float | None = None) -> ExecResult:
+    """Compile, instantiate and invoke one export on the jitted machine."""
+    instance = Instance(compile_module(module), memory_pages=memory_pages)
+    return instance.invoke(func, list(args), max_instructions=max_instructions, timeout_seconds=timeout_seconds)
+
+
+__all__ = ["CompiledModule", "ExecResult", "Instance", "InvalidModule", "MalformedModule", "Unsupported",
+           "compile_module", "run"]

@@ -1,0 +1,430 @@
+"""Lowering of validated WebAssembly functions to the machine's micro-ISA (see isa.py).
+
+Register 0 of a frame is its link (return pc, caller frame pointer), written by CALL; local ``k``
+is register ``1 + k`` and stack slot ``s`` of a function with ``L`` locals is register
+``1 + L + s``. A call shifts its arguments up one register (moves of cost 0) to make room for the
+callee's link; RETURN reads the link and writes the first result over it in the same record.
+Branches that carry values become explicit moves followed by a jump; ``br_table`` becomes an
+indexed jump into a table of jumps. Code after an unconditional branch is not emitted. A function
+that uses an instruction the machine does not run (floats, indirect calls, imports) is recorded as
+unsupported with the instruction's name, and so is every function that calls it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from jaxinfer.processor.binary import Instruction, Module
+from jaxinfer.processor.isa import FIELD, NO_WRITE, NUMERIC_OPS, RECORD_WIDTH, Op, load_kind
+from jaxinfer.processor.validate import block_signature
+
+
+class Unsupported(ValueError):
+    """The function needs an instruction or feature the machine does not implement."""
+
+
+@dataclass
+class FunctionCode:
+    entry: int
+    frame_size: int  # registers: the link, locals and operand slots
+    params: str
+    results: str
+
+
+@dataclass
+class Program:
+    """A lowered module: one code array for all its functions and what instantiation needs."""
+
+    code: np.ndarray  # [records, RECORD_WIDTH] int32
+    functions: dict[int, FunctionCode]
+    unsupported: dict[int, str]
+    exports: dict[str, tuple[str, int]]
+    global_types: list[tuple[str, bool]]
+    global_inits: list[int]  # 64-bit patterns
+    memory: tuple[int, int | None] | None  # (min pages, max pages)
+    data: list[tuple[int, bytes]]
+    start: int | None
+    imported_functions: int
+
+    def function_index(self, name: str) -> int:
+        kind, index = self.exports.get(name, (None, None))
+        if kind != "func":
+            raise KeyError(f"no exported function {name!r}")
+        return index
+
+
+@dataclass
+class _Block:
+    kind: str
+    height: int  # operand height below the block's params
+    label_arity: int
+    result_count: int
+    param_count: int
+    start: int = 0
+    fixups: list[int] = field(default_factory=list)
+    else_fixup: int | None = None
+    live: bool = True
+
+
+class _FunctionLowering:
+    """Lowers one function body; ``calls`` collects CALL records to patch once all are lowered."""
+
+    def __init__(self, module: Module, function_types: list[int], param_types: str, local_types: str,
+                 results: str, code: list[list[int]], calls: list[tuple[int, int]]) -> None:
+        self.module = module
+        self.function_types = function_types
+        self.locals = len(param_types) + len(local_types)
+        self.results = results
+        self.code = code
+        self.calls = calls
+        self.height = 0
+        self.max_height = 0
+        self.reachable = True
+        self.blocks: list[_Block] = [_Block("func", 0, len(results), len(results), 0)]
+        for index in range(len(param_types), self.locals):
+            self.emit(Op.CONST, dst=self.local(index), cost=0)
+
+    def local(self, index: int) -> int:
+        return 1 + index
+
+    def slot(self, height: int) -> int:
+        return 1 + self.locals + height
+
+    def set_height(self, height: int) -> None:
+        self.height = height
+        self.max_height = max(self.max_height, height)
+
+    def emit(self, op: Op, *, dst: int = NO_WRITE, a: int = 0, b: int = 0, c: int = 0, imm: int = 0, imm2: int = 0,
+             cost: int = 1) -> int:
+        record = [0] * RECORD_WIDTH
+        for name, value in (("op", op), ("dst", dst), ("a", a), ("b", b), ("c", c), ("imm", imm), ("imm2", imm2),
+                            ("cost", cost)):
+            record[FIELD[name]] = _as_int32(int(value))
+        self.code.append(record)
+        return len(self.code) - 1
+
+    def patch(self, position: int, target: int) -> None:
+        self.code[position][FIELD["imm"]] = target
+
+    def here(self) -> int:
+        return len(self.code)
+
+    def lower(self, body: tuple[Instruction, ...]) -> int:
+        for instruction in body:
+            self.step(instruction)
+        return 1 + self.locals + self.max_height
+
+    def step(self, instruction: Instruction) -> None:
+        name = instruction.name
+        if name in ("block", "loop", "if", "else", "end"):
+            getattr(self, "structure_" + name)(*instruction.immediates)
+        elif self.reachable:
+            self.operation(instruction)
+
+    # Structure --------------------------------------------------------------------------------
+
+    def structure_block(self, block_type: object, kind: str = "block") -> None:
+        signature = block_signature(self.module, block_type)
+        params, results = len(signature.params), len(signature.results)
+        if not self.reachable:
+            self.blocks.append(_Block(kind, self.height, 0, 0, 0, live=False))
+            return
+        if kind == "if":
+            self.set_height(self.height - 1)
+        block = _Block(kind, self.height - params, params if kind == "loop" else results, results, params,
+                       start=self.here())
+        if kind == "if":
+            block.else_fixup = self.emit(Op.BR_UNLESS, a=self.slot(self.height))
+        self.blocks.append(block)
+
+    def structure_loop(self, block_type: object) -> None:
+        self.structure_block(block_type, "loop")
+
+    def structure_if(self, block_type: object) -> None:
+        self.structure_block(block_type, "if")
+
+    def structure_else(self) -> None:
+        block = self.blocks[-1]
+        if not block.live:
+            return
+        if self.reachable:
+            block.fixups.append(self.emit(Op.BR, cost=0))
+        self.patch(block.else_fixup, self.here())
+        block.else_fixup = None
+        self.set_height(block.height + block.param_count)
+        self.reachable = True
+
+    def structure_end(self) -> None:
+        block = self.blocks[-1]
+        if block.kind == "func" and self.reachable:
+            self.emit_return(cost=0)
+        self.blocks.pop()
+        if not block.live or block.kind == "func":
+            return
+        for position in block.fixups + ([block.else_fixup] if block.else_fixup is not None else []):
+            self.patch(position, self.here())
+        self.set_height(block.height + block.result_count)
+        self.reachable = True
+
+    # Branches ---------------------------------------------------------------------------------
+
+    def sources(self, count: int) -> list[int]:
+        return [self.slot(self.height - count + index) for index in range(count)]
+
+    def moves_for(self, depth: int) -> list[tuple[int, int]]:
+        """(destination, source) registers that carry the label's values to the target block."""
+        block = self.blocks[-1 - depth]
+        if block.kind == "func":  # results 1.. move down; RETURN itself writes result 0 over the link
+            return [(index, source) for index, source in enumerate(self.sources(block.label_arity)) if index]
+        first = self.slot(block.height)
+        return [(first + index, source) for index, source in enumerate(self.sources(block.label_arity))
+                if first + index != source]
+
+    def emit_jump(self, depth: int, cost: int) -> None:
+        """Moves then the jump to label ``depth`` (a return for the function's own label)."""
+        for destination, source in self.moves_for(depth):
+            self.emit(Op.MOV, dst=destination, a=source, cost=0)
+        block = self.blocks[-1 - depth]
+        if block.kind == "func":
+            results = self.sources(block.label_arity)
+            self.emit(Op.RETURN, dst=0 if results else NO_WRITE, a=0, c=results[0] if results else 0, cost=cost)
+        elif block.kind == "loop":
+            self.emit(Op.BR, imm=block.start, cost=cost)
+        else:
+            block.fixups.append(self.emit(Op.BR, cost=cost))
+
+    def emit_return(self, cost: int) -> None:
+        self.emit_jump(len(self.blocks) - 1, cost)
+
+    def op_br(self, depth: int) -> None:
+        self.emit_jump(depth, cost=1)
+        self.reachable = False
+
+    def op_br_if(self, depth: int) -> None:
+        self.set_height(self.height - 1)
+        condition = self.slot(self.height)
+        block = self.blocks[-1 - depth]
+        if not self.moves_for(depth) and block.kind != "func":
+            position = self.emit(Op.BR_IF, a=condition, imm=block.start if block.kind == "loop" else 0)
+            if block.kind != "loop":
+                block.fixups.append(position)
+            return
+        skip = self.emit(Op.BR_UNLESS, a=condition)
+        self.emit_jump(depth, cost=0)
+        self.patch(skip, self.here())
+
+    def op_br_table(self, depths: tuple[int, ...], default: int) -> None:
+        self.set_height(self.height - 1)
+        targets = [*depths, default]
+        self.emit(Op.BR_TABLE, a=self.slot(self.height), imm2=len(depths))
+        stubs = []
+        for depth in targets:
+            block = self.blocks[-1 - depth]
+            if not self.moves_for(depth) and block.kind != "func":
+                self.emit_jump(depth, cost=0)
+            else:
+                stubs.append((self.emit(Op.BR, cost=0), depth))
+        for position, depth in stubs:
+            self.patch(position, self.here())
+            self.emit_jump(depth, cost=0)
+        self.reachable = False
+
+    # Other instructions -----------------------------------------------------------------------
+
+    def operation(self, instruction: Instruction) -> None:
+        name = instruction.name
+        handler = getattr(self, "op_" + name.replace(".", "_"), None)
+        if handler is not None:
+            handler(*instruction.immediates)
+        elif name in NUMERIC_OPS:
+            self.numeric(NUMERIC_OPS[name], len(instruction.info.params))
+        elif instruction.info.immediate == "memarg":
+            self.memory_access(instruction)
+        else:
+            raise Unsupported(name)
+
+    def op_unreachable(self) -> None:
+        self.emit(Op.UNREACHABLE)
+        self.reachable = False
+
+    def op_nop(self) -> None:
+        pass
+
+    def op_return(self) -> None:
+        self.emit_return(cost=1)
+        self.reachable = False
+
+    def op_call(self, function: int) -> None:
+        signature = self.module.types[self.function_types[function]]
+        base = self.height - len(signature.params)
+        self.set_height(self.height + 1)
+        for index in reversed(range(len(signature.params))):
+            self.emit(Op.MOV, dst=self.slot(base + index + 1), a=self.slot(base + index), cost=0)
+        self.calls.append((self.emit(Op.CALL, dst=self.slot(base), b=self.slot(base)), function))
+        self.set_height(base + len(signature.results))
+
+    def op_call_indirect(self, _type_index: int) -> None:
+        raise Unsupported("call_indirect")
+
+    def op_drop(self) -> None:
+        self.set_height(self.height - 1)
+
+    def op_select(self) -> None:
+        first = self.slot(self.height - 3)
+        self.emit(Op.SELECT, dst=first, a=first, b=first + 1, c=first + 2)
+        self.set_height(self.height - 2)
+
+    def op_local_get(self, index: int) -> None:
+        self.emit(Op.MOV, dst=self.slot(self.height), a=self.local(index))
+        self.set_height(self.height + 1)
+
+    def op_local_set(self, index: int) -> None:
+        self.emit(Op.MOV, dst=self.local(index), a=self.slot(self.height - 1))
+        self.set_height(self.height - 1)
+
+    def op_local_tee(self, index: int) -> None:
+        self.emit(Op.MOV, dst=self.local(index), a=self.slot(self.height - 1))
+
+    def op_global_get(self, index: int) -> None:
+        self.emit(Op.GGET, dst=self.slot(self.height), a=index)
+        self.set_height(self.height + 1)
+
+    def op_global_set(self, index: int) -> None:
+        self.emit(Op.GSET, dst=index, a=self.slot(self.height - 1))
+        self.set_height(self.height - 1)
+
+    def op_i32_const(self, value: int) -> None:
+        self.emit(Op.CONST, dst=self.slot(self.height), imm=value & 0xFFFFFFFF)
+        self.set_height(self.height + 1)
+
+    def op_i64_const(self, value: int) -> None:
+        bits = value & 0xFFFFFFFFFFFFFFFF
+        self.emit(Op.CONST, dst=self.slot(self.height), imm=bits & 0xFFFFFFFF, imm2=bits >> 32)
+        self.set_height(self.height + 1)
+
+    def op_memory_size(self) -> None:
+        self.emit(Op.MSIZE, dst=self.slot(self.height))
+        self.set_height(self.height + 1)
+
+    def op_memory_grow(self) -> None:
+        top = self.slot(self.height - 1)
+        self.emit(Op.MGROW, dst=top, a=top)
+
+    def numeric(self, op: Op, operands: int) -> None:
+        first = self.slot(self.height - operands)
+        self.emit(op, dst=first, a=first, b=first + operands - 1)
+        self.set_height(self.height - operands + 1)
+
+    def memory_access(self, instruction: Instruction) -> None:
+        info = instruction.info
+        if "f32" in info.name or "f64" in info.name:
+            raise Unsupported(info.name)
+        _align, offset = instruction.immediates
+        if info.results:
+            top = self.slot(self.height - 1)
+            self.emit(Op.LOAD, dst=top, a=top, imm=offset, imm2=load_kind(info.name, info.access_bytes))
+        else:
+            address = self.slot(self.height - 2)
+            self.emit(Op.STORE, a=address, b=address + 1, imm=offset, imm2=info.access_bytes)
+            self.set_height(self.height - 2)
+
+
+def _as_int32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _constant_value(module: Module, expression: tuple[Instruction, ...], global_inits: list[int]) -> int:
+    instruction = expression[0]
+    if instruction.name == "global.get":
+        return global_inits[instruction.immediates[0]]
+    if instruction.name in ("i32.const", "i64.const"):
+        return instruction.immediates[0] & 0xFFFFFFFFFFFFFFFF
+    raise Unsupported(instruction.name)
+
+
+def _lower_functions(module: Module, function_types: list[int], imported: int, code: list[list[int]]
+                     ) -> tuple[dict[int, FunctionCode], dict[int, str], list[tuple[int, int]]]:
+    functions: dict[int, FunctionCode] = {}
+    unsupported: dict[int, str] = {}
+    calls: list[tuple[int, int]] = []
+    for index in range(imported):
+        entry = module.imports[[i for i, e in enumerate(module.imports) if e.kind == "func"][index]]
+        unsupported[index] = f"imported function {entry.module}.{entry.name}"
+    for offset, function in enumerate(module.functions):
+        index = imported + offset
+        signature = module.types[function.type_index]
+        start, call_start = len(code), len(calls)
+        lowering = _FunctionLowering(module, function_types, signature.params, function.local_types,
+                                     signature.results, code, calls)
+        try:
+            frame_size = lowering.lower(function.body)
+        except Unsupported as error:
+            del code[start:]
+            del calls[call_start:]
+            unsupported[index] = str(error)
+            continue
+        functions[index] = FunctionCode(start, frame_size, signature.params, signature.results)
+    return functions, unsupported, calls
+
+
+def _propagate_unsupported(code: list[list[int]], functions: dict[int, FunctionCode], unsupported: dict[int, str],
+                           calls: list[tuple[int, int]]) -> None:
+    """A function that calls an unsupported one cannot run either (its code stays, never entered)."""
+    owner = sorted((code_.entry, index) for index, code_ in functions.items())
+    changed = True
+    while changed:
+        changed = False
+        for position, callee in calls:
+            caller = max((entry, index) for entry, index in owner if entry <= position)[1]
+            if callee in unsupported and caller not in unsupported:
+                unsupported[caller] = unsupported[callee]
+                changed = True
+    for index in unsupported:
+        functions.pop(index, None)
+
+
+def lower(module: Module) -> Program:
+    """Lower a validated module (see validate.validate)."""
+    function_types = [entry.desc for entry in module.imported("func")] + list(module.function_types)
+    imported = len(module.imported("func"))
+    code: list[list[int]] = []
+    functions, unsupported, calls = _lower_functions(module, function_types, imported, code)
+    for position, callee in calls:
+        target = functions.get(callee)
+        if target is not None:
+            code[position][FIELD["imm"]] = target.entry
+            code[position][FIELD["imm2"]] = target.frame_size
+    _propagate_unsupported(code, functions, unsupported, calls)
+    global_types, global_inits = _globals(module)
+    memory = module.memories[0] if module.memories else None
+    data = [(_constant_value(module, segment.offset, global_inits) & 0xFFFFFFFF, segment.payload)
+            for segment in module.data]
+    return Program(
+        code=np.array(code, np.int32).reshape(-1, RECORD_WIDTH),
+        functions=functions,
+        unsupported=unsupported,
+        exports=module.exports,
+        global_types=global_types,
+        global_inits=global_inits,
+        memory=(memory.minimum, memory.maximum) if memory else None,
+        data=data,
+        start=module.start,
+        imported_functions=imported,
+    )
+
+
+def _globals(module: Module) -> tuple[list[tuple[str, bool]], list[int]]:
+    if module.imported("global"):
+        raise Unsupported("imported global")
+    types, inits = [], []
+    for entry in module.globals:
+        if entry.value_type in "fF":
+            types.append((entry.value_type, entry.mutable))
+            inits.append(entry.init[0].immediates[0] if entry.init[0].name.startswith("f") else 0)
+            continue
+        types.append((entry.value_type, entry.mutable))
+        inits.append(_constant_value(module, entry.init, inits))
+    return types, inits

@@ -1,0 +1,331 @@
+"""The jitted machine: advances every running slot by one micro-op per iteration, on device.
+
+State per slot (``MachineState``): pc, frame pointer, call depth, status, trap code, fuel left,
+instructions executed, memory size and limit in pages, a register file of (low, high) uint32 words
+(globals first, then frames) and linear memory as bytes. ``advance`` runs a ``lax.while_loop``
+of at most ``steps`` iterations; each iteration executes one record for every running slot with
+branch-free code, so slots running different programs share one loop. The only real branch is
+64-bit division, taken when some slot divides. The engine calls ``advance`` inside its jitted step
+with a small ``steps``; the host API calls it with a large one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxinfer.processor import alu
+from jaxinfer.processor.isa import FIELD, LOAD_SIGNED, LOAD_WIDE, NO_WRITE, Op, Status, Trap
+
+PAGE_BYTES = 65536
+U32 = jnp.uint32
+
+
+@dataclass(frozen=True)
+class MachineShape:
+    """The static sizes one compiled machine serves."""
+
+    slots: int
+    code_length: int
+    registers: int
+    memory_pages: int
+    max_depth: int
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory_pages * PAGE_BYTES
+
+
+class MachineState(NamedTuple):
+    pc: jax.Array
+    fp: jax.Array
+    depth: jax.Array
+    status: jax.Array
+    trap: jax.Array
+    fuel: jax.Array
+    executed: jax.Array
+    pages: jax.Array
+    max_pages: jax.Array
+    registers: jax.Array  # [slots, registers + 1, 2] uint32; the last register absorbs non-writes
+    memory: jax.Array  # [slots, memory bytes + 8] uint8; the 8 padding bytes are never in bounds
+
+
+def empty_state(shape: MachineShape) -> MachineState:
+    scalar = jnp.zeros((shape.slots,), jnp.int32)
+    return MachineState(
+        pc=scalar, fp=scalar, depth=scalar, status=scalar, trap=scalar, fuel=scalar, executed=scalar,
+        pages=scalar, max_pages=scalar,
+        registers=jnp.zeros((shape.slots, shape.registers + 1, 2), U32),
+        memory=jnp.zeros((shape.slots, shape.memory_bytes + 8), jnp.uint8),
+    )
+
+
+class _Fetched(NamedTuple):
+    op: jax.Array
+    dst: jax.Array
+    a: jax.Array
+    b: jax.Array
+    c: jax.Array
+    imm: jax.Array
+    imm2: jax.Array
+    cost: jax.Array
+
+
+def _fetch(code: jax.Array, pc: jax.Array) -> _Fetched:
+    record = jnp.take_along_axis(code, pc[:, None, None], axis=1)[:, 0, :]
+    return _Fetched(*(record[:, FIELD[name]] for name in _Fetched._fields))
+
+
+def _read(registers: jax.Array, index: jax.Array) -> alu.Pair:
+    pair = jnp.take_along_axis(registers, index[:, None, None], axis=1)[:, 0, :]
+    return pair[:, 0], pair[:, 1]
+
+
+def _i32_results(x: alu.Pair, y: alu.Pair, z: alu.Pair) -> dict[Op, jax.Array]:
+    a, b = x[0], y[0]
+    sa, sb = alu.as_signed(a), alu.as_signed(b)
+    division = alu.divide32(a, b)
+    shift = b & U32(31)
+    return {
+        Op.I32_EQZ: alu.flag(a == 0), Op.I32_CLZ: lax.clz(a), Op.I32_CTZ: alu.count_trailing_zeros(a),
+        Op.I32_POPCNT: lax.population_count(a), Op.I32_EXT8: alu.sign_extend(a, 8),
+        Op.I32_EXT16: alu.sign_extend(a, 16),
+        Op.I32_ADD: a + b, Op.I32_SUB: a - b, Op.I32_MUL: a * b,
+        Op.I32_DIV_S: division["div_s"], Op.I32_DIV_U: division["div_u"],
+        Op.I32_REM_S: division["rem_s"], Op.I32_REM_U: division["rem_u"],
+        Op.I32_AND: a & b, Op.I32_OR: a | b, Op.I32_XOR: a ^ b,
+        Op.I32_SHL: a << shift, Op.I32_SHR_S: alu.as_unsigned(sa >> shift.astype(jnp.int32)),
+        Op.I32_SHR_U: a >> shift, Op.I32_ROTL: alu.rotate_left32(a, b), Op.I32_ROTR: alu.rotate_right32(a, b),
+        Op.I32_EQ: alu.flag(a == b), Op.I32_NE: alu.flag(a != b),
+        Op.I32_LT_S: alu.flag(sa < sb), Op.I32_LT_U: alu.flag(a < b),
+        Op.I32_GT_S: alu.flag(sa > sb), Op.I32_GT_U: alu.flag(a > b),
+        Op.I32_LE_S: alu.flag(sa <= sb), Op.I32_LE_U: alu.flag(a <= b),
+        Op.I32_GE_S: alu.flag(sa >= sb), Op.I32_GE_U: alu.flag(a >= b),
+        Op.SELECT: jnp.where(z[0] != 0, a, b),
+    }
+
+
+def _i64_results(x: alu.Pair, y: alu.Pair) -> dict[Op, alu.Pair]:
+    zero = jnp.zeros_like(x[0])
+    less_signed, less_unsigned = alu.less64(x, y, True), alu.less64(x, y, False)
+    greater_signed, greater_unsigned = alu.less64(y, x, True), alu.less64(y, x, False)
+    equal = (x[0] == y[0]) & (x[1] == y[1])
+
+    def boolean(condition: jax.Array) -> alu.Pair:
+        return alu.flag(condition), zero
+
+    def extended(low: jax.Array) -> alu.Pair:
+        return low, alu.sign_word(low)
+
+    return {
+        Op.I64_EQZ: boolean((x[0] | x[1]) == 0), Op.I64_CLZ: (alu.clz64(x), zero), Op.I64_CTZ: (alu.ctz64(x), zero),
+        Op.I64_POPCNT: (lax.population_count(x[0]) + lax.population_count(x[1]), zero),
+        Op.I64_EXT8: extended(alu.sign_extend(x[0], 8)), Op.I64_EXT16: extended(alu.sign_extend(x[0], 16)),
+        Op.I64_EXT32: extended(x[0]), Op.I64_EXTEND_S: extended(x[0]), Op.I64_EXTEND_U: (x[0], zero),
+        Op.I64_WRAP: (x[0], zero),
+        Op.I64_ADD: alu.add64(x, y), Op.I64_SUB: alu.sub64(x, y), Op.I64_MUL: alu.mul64(x, y),
+        Op.I64_AND: (x[0] & y[0], x[1] & y[1]), Op.I64_OR: (x[0] | y[0], x[1] | y[1]),
+        Op.I64_XOR: (x[0] ^ y[0], x[1] ^ y[1]),
+        Op.I64_SHL: alu.shl64(x, y[0]), Op.I64_SHR_S: alu.shr64(x, y[0], signed=True),
+        Op.I64_SHR_U: alu.shr64(x, y[0], signed=False), Op.I64_ROTL: alu.rotl64(x, y[0]),
+        Op.I64_ROTR: alu.rotr64(x, y[0]),
+        Op.I64_EQ: boolean(equal), Op.I64_NE: boolean(~equal),
+        Op.I64_LT_S: boolean(less_signed), Op.I64_LT_U: boolean(less_unsigned),
+        Op.I64_GT_S: boolean(greater_signed), Op.I64_GT_U: boolean(greater_unsigned),
+        Op.I64_LE_S: boolean(~greater_signed), Op.I64_LE_U: boolean(~greater_unsigned),
+        Op.I64_GE_S: boolean(~less_signed), Op.I64_GE_U: boolean(~less_unsigned),
+    }
+
+
+_DIVIDE64 = (Op.I64_DIV_S, Op.I64_DIV_U, Op.I64_REM_S, Op.I64_REM_U)
+
+
+def _divide64(op: jax.Array, x: alu.Pair, y: alu.Pair, executing: jax.Array) -> alu.Pair:
+    """64-bit quotient or remainder, computed only in iterations where some slot divides."""
+    dividing = executing & (op >= min(_DIVIDE64)) & (op <= max(_DIVIDE64))
+    signed = (op == Op.I64_DIV_S) | (op == Op.I64_REM_S)
+    remainder = (op == Op.I64_REM_S) | (op == Op.I64_REM_U)
+
+    def divide(_):
+        quotient, rest = alu.divide64(x, y, signed)
+        return jnp.where(remainder, rest[0], quotient[0]), jnp.where(remainder, rest[1], quotient[1])
+
+    zero = jnp.zeros_like(x[0])
+    return lax.cond(jnp.any(dividing), divide, lambda _: (zero, zero), None)
+
+
+def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pair, executing: jax.Array):
+    """Loads and stores: the loaded value, the new memory, and whether the access was out of bounds."""
+    is_load, is_store = record.op == Op.LOAD, record.op == Op.STORE
+    width = jnp.where(is_load, record.imm2 & 15, jnp.where(is_store, record.imm2, 0))
+    address = x[0] + alu.as_unsigned(record.imm)
+    wrapped = address < x[0]
+    limit = (state.pages * PAGE_BYTES).astype(U32)
+    out_of_bounds = (is_load | is_store) & (wrapped | (address > limit - width.astype(U32)) | (limit < width))
+    address = jnp.where(out_of_bounds, U32(0), address).astype(jnp.int32)
+    lanes = jnp.arange(8, dtype=jnp.int32)
+    positions = address[:, None] + lanes[None, :]
+    raw = jnp.take_along_axis(state.memory, positions, axis=1).astype(U32)
+    in_width = lanes[None, :] < width[:, None]
+    raw = jnp.where(in_width, raw, U32(0))
+    low = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
+    high = raw[:, 4] | (raw[:, 5] << 8) | (raw[:, 6] << 16) | (raw[:, 7] << 24)
+    signed = (record.imm2 & LOAD_SIGNED) != 0
+    top_bit = jnp.take_along_axis(raw, jnp.maximum(width - 1, 0)[:, None], axis=1)[:, 0] >> 7
+    extend = signed & (top_bit == 1)
+    bits = (width * 8).astype(U32)
+    low = jnp.where(extend & (bits < 32), low | alu.shift_left_word(U32(0xFFFFFFFF), bits), low)
+    high = jnp.where(extend, jnp.where(bits <= 32, U32(0xFFFFFFFF), high | alu.shift_left_word(
+        U32(0xFFFFFFFF), bits - 32)), high)
+    high = jnp.where((record.imm2 & LOAD_WIDE) != 0, high, U32(0))
+    word = jnp.where(lanes[None, :] < 4, y[0][:, None], y[1][:, None])
+    stored = ((word >> (8 * (lanes % 4)).astype(U32)) & U32(0xFF)).astype(jnp.uint8)
+    old = jnp.take_along_axis(state.memory, positions, axis=1)
+    writing = (is_store & executing & ~out_of_bounds)[:, None] & in_width
+    return (low, high), (address, jnp.where(writing, stored, old)), out_of_bounds
+
+
+class _Pending(NamedTuple):
+    """The register and memory writes of the last record, applied before the next one reads.
+
+    Deferring them makes every read of an iteration follow its only write, so XLA updates the
+    register file and memory in place instead of copying them each iteration.
+    """
+
+    register: jax.Array  # [slots] register index (the scratch register when nothing is written)
+    register_value: jax.Array  # [slots, 2]
+    address: jax.Array  # [slots] byte address of the 8-byte window
+    window: jax.Array  # [slots, 8] bytes (the old bytes where nothing is stored)
+
+
+def _no_writes(shape: MachineShape) -> _Pending:
+    return _Pending(jnp.full((shape.slots,), shape.registers, jnp.int32), jnp.zeros((shape.slots, 2), U32),
+                    jnp.full((shape.slots,), shape.memory_bytes, jnp.int32),
+                    jnp.zeros((shape.slots, 8), jnp.uint8))
+
+
+def _apply(state: MachineState, pending: _Pending) -> MachineState:
+    rows = jnp.arange(state.pc.shape[0])
+    registers = state.registers.at[rows, pending.register].set(pending.register_value, mode="promise_in_bounds")
+    positions = pending.address[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]
+    memory = state.memory.at[rows[:, None], positions].set(pending.window, mode="promise_in_bounds")
+    return state._replace(registers=registers, memory=memory)
+
+
+def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[MachineState, _Pending]:
+    """Execute one record in every running slot; its writes are returned, not yet applied."""
+    running = state.status == Status.RUNNING
+    record = _fetch(code, state.pc)
+    out_of_fuel = running & (state.fuel < record.cost)
+    executing = running & ~out_of_fuel
+    op, fp = record.op, state.fp
+    x = _read(state.registers, jnp.where(op == Op.GGET, record.a, fp + record.a))
+    y = _read(state.registers, fp + record.b)
+    z = _read(state.registers, fp + record.c)
+    loaded, memory_write, out_of_bounds = _memory_access(state, record, x, y, executing)
+
+    value = _value(state, record, x, y, z, loaded, executing)
+    trap = _trap(state, record, x, y, out_of_bounds, shape)
+    trap = jnp.where(out_of_fuel, Trap.FUEL_EXHAUSTED, jnp.where(executing, trap, Trap.NONE))
+    trapped = trap != Trap.NONE
+    commit = executing & ~trapped
+
+    grow = _grow(state, op, x, commit)
+    value = (jnp.where(op == Op.MGROW, grow[0], value[0]), value[1])
+    write_index = jnp.where(op == Op.GSET, record.dst, fp + record.dst)
+    write_index = jnp.where(commit & (record.dst != NO_WRITE), write_index, shape.registers)
+    register_write = (write_index, jnp.stack(value, axis=-1))
+
+    pc, new_fp, depth, finished = _next_pc(state, record, x)
+    return MachineState(
+        pc=jnp.where(commit, pc, state.pc),
+        fp=jnp.where(commit, new_fp, state.fp),
+        depth=jnp.where(commit, depth, state.depth),
+        status=jnp.where(trapped, Status.TRAPPED, jnp.where(commit & finished, Status.DONE, state.status)),
+        trap=jnp.where(trapped, trap, state.trap),
+        fuel=jnp.where(commit, state.fuel - record.cost, state.fuel),
+        executed=jnp.where(commit, state.executed + record.cost, state.executed),
+        pages=jnp.where(commit, grow[1], state.pages),
+        max_pages=state.max_pages,
+        registers=state.registers,
+        memory=state.memory,
+    ), _Pending(*register_write, *memory_write)
+
+
+def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
+    op = record.op
+    zero = jnp.zeros_like(x[0])
+    table: dict[Op, alu.Pair] = {
+        Op.CONST: (alu.as_unsigned(record.imm), alu.as_unsigned(record.imm2)),
+        Op.MOV: x, Op.GGET: x, Op.GSET: x,
+        Op.SELECT: (jnp.where(z[0] != 0, x[0], y[0]), jnp.where(z[0] != 0, x[1], y[1])),
+        Op.LOAD: loaded,
+        Op.MSIZE: (state.pages.astype(U32), zero),
+        Op.CALL: (alu.as_unsigned(state.pc + 1), alu.as_unsigned(state.fp)),
+        Op.RETURN: z,
+    }
+    table.update({key: (word, zero) for key, word in _i32_results(x, y, z).items() if key != Op.SELECT})
+    table.update(_i64_results(x, y))
+    quotient = _divide64(op, x, y, executing)
+    table.update(dict.fromkeys(_DIVIDE64, quotient))
+    cases = [table.get(Op(code), (zero, zero)) for code in range(len(Op))]
+    return (lax.select_n(op, *[pair[0] for pair in cases]), lax.select_n(op, *[pair[1] for pair in cases]))
+
+
+def _trap(state, record, x, y, out_of_bounds, shape) -> jax.Array:
+    op = record.op
+    divides32 = (op >= Op.I32_DIV_S) & (op <= Op.I32_REM_U)
+    divides64 = (op >= Op.I64_DIV_S) & (op <= Op.I64_REM_U)
+    by_zero = (divides32 & (y[0] == 0)) | (divides64 & ((y[0] | y[1]) == 0))
+    overflow32 = (op == Op.I32_DIV_S) & (x[0] == U32(0x80000000)) & (y[0] == U32(0xFFFFFFFF))
+    overflow64 = (op == Op.I64_DIV_S) & (x[0] == 0) & (x[1] == U32(0x80000000)) & (y[0] == U32(0xFFFFFFFF)) & (
+        y[1] == U32(0xFFFFFFFF))
+    call_overflow = (op == Op.CALL) & ((state.depth >= shape.max_depth)
+                                       | (state.fp + record.b + record.imm2 > shape.registers))
+    trap = jnp.full_like(op, Trap.NONE)
+    for condition, code in ((op == Op.UNREACHABLE, Trap.UNREACHABLE), (by_zero, Trap.DIVIDE_BY_ZERO),
+                            (overflow32 | overflow64, Trap.OVERFLOW), (out_of_bounds, Trap.OUT_OF_BOUNDS),
+                            (call_overflow, Trap.STACK_EXHAUSTED)):
+        trap = jnp.where(condition & (trap == Trap.NONE), code, trap)
+    return trap
+
+
+def _grow(state, op, x, commit) -> tuple[jax.Array, jax.Array]:
+    """memory.grow: the old size or -1 (past the module's maximum), and the new size."""
+    requested = x[0]
+    fits = requested <= (state.max_pages - state.pages).astype(U32)
+    growing = commit & (op == Op.MGROW) & fits
+    result = jnp.where(fits, state.pages.astype(U32), U32(0xFFFFFFFF))
+    return result, jnp.where(growing, state.pages + requested.astype(jnp.int32), state.pages)
+
+
+def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    op, pc = record.op, state.pc
+    taken = ((op == Op.BR_IF) & (x[0] != 0)) | ((op == Op.BR_UNLESS) & (x[0] == 0)) | (op == Op.BR) | (op == Op.CALL)
+    table_target = pc + 1 + jnp.minimum(x[0], alu.as_unsigned(record.imm2)).astype(jnp.int32)
+    next_pc = jnp.where(taken, record.imm, jnp.where(op == Op.BR_TABLE, table_target, pc + 1))
+    returning = op == Op.RETURN
+    next_pc = jnp.where(returning, alu.as_signed(x[0]), next_pc)
+    fp = jnp.where(op == Op.CALL, state.fp + record.b, jnp.where(returning, alu.as_signed(x[1]), state.fp))
+    depth = state.depth + (op == Op.CALL) - returning
+    finished = returning & (state.depth == 0)
+    return next_pc, jnp.where(finished, state.fp, fp), depth, finished
+
+
+def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape) -> MachineState:
+    """Run up to ``steps`` iterations, stopping early when no slot is running."""
+
+    def keep_going(carry):
+        iteration, current, _ = carry
+        return (iteration < steps) & jnp.any(current.status == Status.RUNNING)
+
+    def body(carry):
+        iteration, current, pending = carry
+        return iteration + 1, *step(_apply(current, pending), code, shape)
+
+    _, state, pending = lax.while_loop(keep_going, body, (jnp.int32(0), state, _no_writes(shape)))
+    return _apply(state, pending)
