@@ -14,7 +14,8 @@ from jaxinfer.processor.instance import (
     Unsupported,
     compile_module,
     run,
+    run_slots,
 )
 
 __all__ = ["CompiledModule", "ExecResult", "Instance", "InvalidModule", "MalformedModule", "Unsupported",
-           "compile_module", "run"]
+           "compile_module", "run", "run_slots"]

@@ -170,5 +170,35 @@ def run(module: bytes | str, func: str = "main", args: list[int] = (), *, max_in
     return instance.invoke(func, list(args), max_instructions=max_instructions, timeout_seconds=timeout_seconds)
 
 
+def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *, max_instructions: int = 10_000_000,
+              memory_pages: int = DEFAULT_MEMORY_PAGES) -> list[ExecResult]:
+    """Run one export in ``len(args_per_slot)`` slots of one machine at once, each with its own
+    arguments, memory and fuel: the batched path the engine uses, exposed for tests and benchmarks."""
+    compiled = compile_module(module)
+    instances = [Instance(compiled, memory_pages=memory_pages) for _ in args_per_slot]
+    function = compiled.program.function_index(func)
+    if function in compiled.program.unsupported:
+        raise Unsupported(compiled.program.unsupported[function])
+    code = compiled.program.functions[function]
+    states = [instance._initial_state(code, list(args), max_instructions)
+              for instance, args in zip(instances, args_per_slot, strict=True)]
+    state = jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *states)
+    slots = len(args_per_slot)
+    shape = machine.MachineShape(slots, instances[0].shape.code_length, instances[0].shape.registers,
+                                 instances[0].shape.memory_pages, instances[0].shape.max_depth)
+    device_code = jax.numpy.asarray(np.repeat(instances[0].code, slots, axis=0))
+    advance = _advance_for(shape)
+    while True:
+        state = advance(state, device_code, np.int32(STEPS_PER_CALL))
+        if not (np.asarray(state.status) == Status.RUNNING).any():
+            break
+    results = []
+    for slot, instance in enumerate(instances):
+        one = jax.tree.map(lambda leaf, slot=slot: leaf[slot : slot + 1], state)
+        status = int(one.status[0])
+        results.append(instance._finish(one, code, Trap(int(one.trap[0])) if status == Status.TRAPPED else None))
+    return results
+
+
 __all__ = ["CompiledModule", "ExecResult", "Instance", "InvalidModule", "MalformedModule", "Unsupported",
-           "compile_module", "run"]
+           "compile_module", "run", "run_slots"]
