@@ -316,16 +316,31 @@ def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
     return next_pc, jnp.where(finished, state.fp, fp), depth, finished
 
 
+_SCALARS = ("pc", "fp", "depth", "status", "trap", "fuel", "executed", "pages", "max_pages")
+
+
+def _pack(state: MachineState) -> jax.Array:
+    """The per-slot scalars as one [slots, 9] array: the loop then updates them in one kernel, not nine."""
+    return jnp.stack([getattr(state, name) for name in _SCALARS], axis=1)
+
+
+def _unpack(scalars: jax.Array, registers: jax.Array, memory: jax.Array) -> MachineState:
+    return MachineState(*(scalars[:, column] for column in range(len(_SCALARS))), registers, memory)
+
+
 def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape) -> MachineState:
     """Run up to ``steps`` iterations, stopping early when no slot is running."""
 
     def keep_going(carry):
-        iteration, current, _ = carry
-        return (iteration < steps) & jnp.any(current.status == Status.RUNNING)
+        iteration, scalars, *_ = carry
+        return (iteration < steps) & jnp.any(scalars[:, _SCALARS.index("status")] == Status.RUNNING)
 
     def body(carry):
-        iteration, current, pending = carry
-        return iteration + 1, *step(_apply(current, pending), code, shape)
+        iteration, scalars, registers, memory, pending = carry
+        current = _apply(_unpack(scalars, registers, memory), pending)
+        following, writes = step(current, code, shape)
+        return iteration + 1, _pack(following), following.registers, following.memory, writes
 
-    _, state, pending = lax.while_loop(keep_going, body, (jnp.int32(0), state, _no_writes(shape)))
-    return _apply(state, pending)
+    carry = (jnp.int32(0), _pack(state), state.registers, state.memory, _no_writes(shape))
+    _, scalars, registers, memory, pending = lax.while_loop(keep_going, body, carry)
+    return _apply(_unpack(scalars, registers, memory), pending)
