@@ -173,6 +173,14 @@ class EngineConfig:
     draft_model: str = ""  # speculative decoding: a registry name or path of a model with the same vocabulary
     num_draft_tokens: int = 4  # proposals per round at most
     draft_confidence: float = 0.0  # a round's proposals stop at the first whose draft top probability is lower
+    exec_slots: int = 0  # processor slots run inside the step for requests with exec on (0: processor off)
+    exec_steps_per_step: int = 256  # machine iterations per engine step (bounds the delay to co-batched rows)
+    exec_max_instructions: int = 10_000_000  # server cap on a program's instructions (fuel)
+    exec_timeout_seconds: float = 30.0  # server cap on a program's wall time
+    exec_memory_pages: int = 4  # 64 KiB pages of linear memory per slot
+    exec_code_records: int = 4096  # micro-ops per program
+    exec_registers: int = 4096  # register file per slot (globals, frames)
+    exec_max_call_depth: int = 256
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True
@@ -198,8 +206,22 @@ class EngineConfig:
             raise ConfigError(f"engine.num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_confidence <= 1.0:
             raise ConfigError(f"engine.draft_confidence must be in [0, 1], got {self.draft_confidence}")
+        exec_limits = ("exec_steps_per_step", "exec_max_instructions", "exec_timeout_seconds", "exec_memory_pages",
+                       "exec_code_records", "exec_registers", "exec_max_call_depth")
+        for name in exec_limits if self.exec_slots else ():
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.exec_slots <= 1024:
+            raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
         if self.attention_backend not in ("auto", "reference"):
             raise ConfigError(f"engine.attention_backend must be auto or reference, got {self.attention_backend!r}")
+
+    @property
+    def exec_machine_shape(self):
+        from jaxinfer.processor.machine import MachineShape
+
+        return MachineShape(self.exec_slots, self.exec_code_records, self.exec_registers, self.exec_memory_pages,
+                            self.exec_max_call_depth)
 
     @property
     def max_tokens_per_step(self) -> int:

@@ -23,6 +23,7 @@ from jaxinfer.kv.store import ModelIdentity, PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.layers.attention import make_backend
 from jaxinfer.parallel import make_mesh
+from jaxinfer.processor.protocol import CONTROL_TOKENS
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.loader import load_model
@@ -69,6 +70,10 @@ class LLM:
             tokenizers_.from_gguf(gguf_file) if gguf_file is not None else tokenizers_.load(checkpoint.path)
         )
         self.tokenizer.guard = cfg.tokenizer_guard
+        if cfg.exec_slots:  # the processor's control tokens; the model grows zero rows for new ids
+            ids = self.tokenizer.add_control_tokens(CONTROL_TOKENS)
+            loaded.model.extend_vocabulary(max(max(ids.values()) + 1, self.model_config.vocab_size))
+            self.model_config = loaded.model.config
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)
         self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jaxinfer.engine.disagg import PagePublisher
+from jaxinfer.engine.executor import Executor
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
@@ -38,6 +39,7 @@ from jaxinfer.engine.speculator import Round, Speculator
 from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
 from jaxinfer.kv.tiers import HostPage, TieredPages
+from jaxinfer.processor.protocol import CONTROL_TOKENS, ExecTokens
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -87,6 +89,19 @@ class Engine:
         self._rng = random.Random(self.cfg.seed)
         self._next_index = -1
         self._inflight: _InflightStep | None = None
+        self.executor = self._make_executor()
+        self._forced_finished: list[Sequence] = []  # finished by appended exec result tokens (max_tokens)
+
+    def _make_executor(self) -> Executor | None:
+        """The processor's host side, when the runner carries machine slots in its step."""
+        if self.runner.exec_unit is None:
+            return None
+        ids = {name: self.tokenizer.token_id(name) for name in CONTROL_TOKENS}
+        missing = [name for name, token in ids.items() if token is None]
+        if missing:
+            raise ValueError(f"the tokenizer lacks the exec control tokens {missing} (add_control_tokens)")
+        return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg.exec_max_instructions,
+                        self.cfg.exec_timeout_seconds, self._append_forced)
 
     @property
     def prefix_caching(self) -> bool:
@@ -106,8 +121,13 @@ class Engine:
                 f"prompt: {len(prompt_ids)} tokens, the limit is {self.max_model_len - 1} "
                 f"(max_model_len {self.max_model_len} leaves room for one generated token)"
             )
-        if len(self._stop_ids(params)) > MAX_BANNED:
-            raise RequestError(f"stop_token_ids: with the model's EOS ids at most {MAX_BANNED} ids can be held back")
+        if len(self._stop_ids(params)) + len(self._exec_banned(params)) > MAX_BANNED:
+            raise RequestError(f"stop_token_ids: with the model's EOS ids (and the exec control tokens) at most "
+                               f"{MAX_BANNED} ids can be held back")
+        if params.exec and self.executor is None:
+            raise RequestError("exec: this engine runs no programs (engine.exec_slots is 0)")
+        if params.exec and self.speculator is not None:
+            raise RequestError("exec: not available with speculative decoding (engine.draft_model)")
         vocab = self.runner.model_cfg.vocab_size
         bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -204,7 +224,7 @@ class Engine:
         finished: list[RequestOutput] = []
         self._tier_upkeep()
         chunks = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
-        launched = self._launch(chunks) if chunks else None
+        launched = self._launch(chunks) if chunks else self._launch_exec_only()
         previous, self._inflight = self._inflight, launched
         if previous is not None:
             waited += self._process(previous, finished)
@@ -213,10 +233,42 @@ class Engine:
         if not self.async_scheduling and self._inflight is not None:
             launched, self._inflight = self._inflight, None
             waited += self._process(launched, finished)
-        if launched is None and previous is None:
+        if self.executor is not None:
+            self.executor.start_pending(self.stats.steps)
+            for seq in self._drain_forced_finished():
+                self._finish(seq, finished)
+        if launched is None and previous is None and not (self.executor and self.executor.pending):
             self._nothing_launched()
         self._account(started, waited)
         return finished
+
+    def _launch_exec_only(self) -> _InflightStep | None:
+        """With programs running and no sequence to compute, a step that only advances the machine."""
+        if self.executor is None or not self.executor.busy:
+            return None
+        result = self.runner.dispatch_exec_only()
+        self.stats.steps += 1
+        self.stats.exec_idle_steps += 1
+        return _InflightStep([], result, self.stats.steps)
+
+    def _drain_forced_finished(self) -> list[Sequence]:
+        done, self._forced_finished = self._forced_finished, []
+        return done
+
+    def _append_forced(self, seq: Sequence, ids: list[int]) -> None:
+        """Appends tokens the engine wrote (an exec result): computed like a prompt chunk, never sampled."""
+        self.stats.exec_programs += 1
+        self.stats.exec_traps += ids[0] == self.executor.tokens.trap_open
+        for token in ids:
+            seq.output_ids.append(token)
+            seq.logprobs.append(0.0)
+            if seq.detokenizer:
+                seq.detokenizer.push(token)
+        if len(seq.output_ids) >= seq.params.max_tokens or seq.num_known >= self.max_model_len:
+            seq.finish_reason = "length"
+            self._forced_finished.append(seq)
+        else:
+            self.executor.on_token(seq)
 
     def _tier_upkeep(self) -> None:
         """Pages evicted since the last step (by another engine, or a test) go down first; a due sweep runs."""
@@ -309,6 +361,8 @@ class Engine:
 
     def _finish(self, seq: Sequence, finished: list[RequestOutput]) -> None:
         """Publishes a prefill worker's pages, frees the sequence and records its output."""
+        if self.executor is not None:
+            self.executor.cancel(seq)
         stored = self._publisher.finish(seq) if seq.request.publish_kv else 0
         self.scheduler.finish(seq)
         finished.append(dataclasses.replace(self._output(seq), stored_pages=stored))
@@ -318,6 +372,8 @@ class Engine:
         seq = self.scheduler.find(index)
         if seq is None:
             return None
+        if self.executor is not None:
+            self.executor.cancel(seq)
         self.scheduler.finish(seq)
         seq.finish_reason = "abort"
         self.stats.aborted += 1
@@ -364,6 +420,8 @@ class Engine:
         seq.logprobs = list(request.generated_logprobs) or [0.0] * len(request.generated_ids)
         for token in seq.output_ids if detokenizer else ():
             detokenizer.push(token)
+        if self.executor is not None:  # a prompt that ends with a program runs it before generating
+            self.executor.on_token(seq)
         return seq
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:
@@ -417,9 +475,16 @@ class Engine:
         batch.temperature[row], batch.top_p[row], batch.min_p[row] = p.temperature, p.top_p, p.min_p
         batch.top_k[row] = min(p.top_k, self.runner.model_cfg.vocab_size)
         batch.seed[row], batch.step[row] = seq.seed, step
-        if seq.num_generated < p.min_tokens:  # EOS and stop ids may not be sampled yet
-            banned = self._stop_ids(p)
-            batch.banned[row, : len(banned)] = banned
+        banned = self._stop_ids(p) if seq.num_generated < p.min_tokens else []  # EOS and stop ids not yet
+        banned += self._exec_banned(p)
+        batch.banned[row, : len(banned)] = banned
+
+    def _exec_banned(self, params: SamplingParams) -> list[int]:
+        """Exec control ids a request may not sample: result and trap markers always, exec markers with exec off."""
+        if self.executor is None:
+            return []
+        tokens = self.executor.tokens
+        return list(tokens.engine_written) + ([] if params.exec else [tokens.exec_open, tokens.exec_close])
 
     def _process(self, step: _InflightStep, finished: list[RequestOutput]) -> float:
         """Reads a step's sampled ids back and applies them; returns the seconds spent waiting for the device."""
@@ -433,7 +498,8 @@ class Engine:
             if not chunk.samples:
                 continue
             seq.inflight -= 1
-            if seq.finish_reason is not None:  # finished (or cancelled) after this step was dispatched
+            if seq.finish_reason is not None or seq.exec_discard:  # finished, or paused for a program,
+                seq.exec_discard = max(0, seq.exec_discard - 1)  # after this step was dispatched
                 self.stats.discarded_samples += 1
                 continue
             self._append(seq, int(tokens[row]), float(logprobs[row]))
@@ -441,6 +507,10 @@ class Engine:
                 self._finish(seq, finished)
             else:
                 self.scheduler.publish_pages(seq)
+                if self.executor is not None:
+                    self.executor.on_token(seq)
+        if self.executor is not None:
+            self.executor.collect(step.result.fetch_exec(), step.number)
         return waited
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:
@@ -471,7 +541,12 @@ class Engine:
         return False
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_ids)
+        if seq.params.exec and self.executor is not None:  # the exec markers stay in the text
+            shown = set(self.executor.tokens.all)
+            kept = [t for t in seq.output_ids if t not in self.tokenizer.special_ids or t in shown]
+            text = self.tokenizer.decode(kept, skip_special_tokens=False)
+        else:
+            text = self.tokenizer.decode(seq.output_ids)
         if seq.stop_at is not None:
             text = text[: seq.stop_at]
         return RequestOutput(

@@ -29,6 +29,9 @@ class EngineStats:
     pages_published: int = 0  # prompt pages a prefill worker wrote to the KV store for decode workers
     aborted: int = 0
     discarded_samples: int = 0  # ids sampled for a sequence that had finished meanwhile (overlap's cost)
+    exec_programs: int = 0  # programs run for requests with exec on (results and traps)
+    exec_traps: int = 0  # of which ended in a trap (including compile errors, limits and timeouts)
+    exec_idle_steps: int = 0  # machine-only steps: programs running while no sequence had tokens to compute
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

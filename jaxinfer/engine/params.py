@@ -28,6 +28,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     num_draft_tokens: int | None = None  # speculative proposals per round: None = the engine's, 0 = off
+    exec: bool = False  # run the programs this request writes in <|exec|> blocks (engine.exec_slots > 0)
+    exec_max_instructions: int | None = None  # fuel per program; None = the engine's cap (also the maximum)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -47,6 +49,8 @@ class SamplingParams:
             _int_field("seed", self.seed, low=0, high=MAX_SEED)
         if self.num_draft_tokens is not None:
             _int_field("num_draft_tokens", self.num_draft_tokens, low=0, high=64)
+        if self.exec_max_instructions is not None:
+            _int_field("exec_max_instructions", self.exec_max_instructions, low=1, high=MAX_INT32)
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop[{i}]: must be a non-empty string")

@@ -88,7 +88,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         for seq in sorted(self.running, key=lambda s: s.arrival):
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if seq not in self.running or count == 0 or not seq.wants_token(self.max_model_len):
+            if seq not in self.running or count == 0 or seq.paused or not seq.wants_token(self.max_model_len):
                 continue
             while not self._pages_for(seq, seq.num_computed + count):
                 victim = max(self.running, key=lambda s: s.arrival)
@@ -119,7 +119,7 @@ class Scheduler:
         deferred: list[Sequence] = []  # an id still in flight, or the next prefix page is being computed
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
             seq = self.waiting.popleft()
-            if seq.inflight or not self._attach_prefix(seq):
+            if seq.inflight or seq.paused or not self._attach_prefix(seq):
                 deferred.append(seq)
                 continue
             count = min(seq.num_tokens - seq.num_computed, budget)

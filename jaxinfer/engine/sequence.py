@@ -34,6 +34,14 @@ class Sequence:
     arrival: int = 0  # admission order, for preempting the newest
     store_read: PendingRead | None = None  # prefix pages being read from the KV store before admission
     published_pages: int = 0  # prompt pages handed to the KV store (a prefill worker's `publish_kv`)
+    exec_source: str | None = None  # a program this sequence wrote, waiting for or running in a slot
+    exec_slot: int | None = None  # the processor slot running it
+    exec_discard: int = 0  # in-flight samples to drop: they were drawn before the program's result
+
+    @property
+    def paused(self) -> bool:
+        """Waiting for its program's result: not scheduled until the result tokens are appended."""
+        return self.exec_source is not None or self.exec_slot is not None
 
     @property
     def prompt_ids(self) -> list[int]:

@@ -36,6 +36,7 @@ from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
 from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
 from jaxinfer.parallel import named_sharding
+from jaxinfer.processor.unit import ExecReport, ExecUnit
 
 log = logging.getLogger(__name__)
 
@@ -88,20 +89,28 @@ class StepResult:
     tokens: jax.Array  # [max_seqs] int32
     logprobs: jax.Array  # [max_seqs] float32
     rows: int
+    exec_report: ExecReport | None = None  # the processor's slots after this step (when it has any)
+
+    def fetch_exec(self) -> ExecReport | None:
+        return None if self.exec_report is None else ExecReport(*(np.asarray(part) for part in self.exec_report))
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray]:
         """Waits for the step and returns (sampled token per row, its logprob) on the host."""
         return np.asarray(self.tokens)[: self.rows], np.asarray(self.logprobs)[: self.rows]
 
 
-def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs):
+def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs, machine=None, code=None, *,
+          exec_fn=None):
     model = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = model(ids, caches, inputs.meta)
     logits = model.logits(hidden[inputs.logits_rows])
     tokens, logprobs = sample(logits, inputs.sampling)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
-    return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+    if exec_fn is None:
+        return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+    machine, exec_report = exec_fn(machine, code)  # the processor's slots advance in the same step
+    return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), machine, exec_report
 
 
 TIER_CHUNK = 8  # pages per export/import call: one shape, so one compile each
@@ -143,7 +152,11 @@ class ModelRunner:
         self.pool = PrefixCachingPool(cfg.num_pages)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self.replicated)
-        self._jitted = jax.jit(_step, static_argnums=0, donate_argnums=(2,))
+        self.exec_unit = (ExecUnit(cfg.exec_machine_shape, cfg.exec_steps_per_step, self.replicated)
+                          if cfg.exec_slots else None)
+        exec_fn = self.exec_unit.step_function if self.exec_unit is not None else None
+        self._jitted = jax.jit(functools.partial(_step, exec_fn=exec_fn), static_argnums=0,
+                               donate_argnums=(2, 5) if exec_fn is not None else (2,))
         self._export_fn = jax.jit(_export)
         self._import_fn = jax.jit(_import, donate_argnums=(0,))
         self._import_rows_fn = None  # set by `warmup_tiers` where the platform has pinned host memory
@@ -206,7 +219,7 @@ class ModelRunner:
     def _compile(self, bucket: int) -> jax.stages.Compiled:
         start = time.perf_counter()
         lowered = self._jitted.lower(
-            self.graphdef, self.state, self.caches, self.no_tokens, self.abstract_inputs(bucket)
+            self.graphdef, self.state, self.caches, self.no_tokens, self.abstract_inputs(bucket), *self._exec_args()
         )
         executable = lowered.compile()
         log.info("compiled step for %d tokens in %.1fs", bucket, time.perf_counter() - start)
@@ -215,6 +228,8 @@ class ModelRunner:
     def warmup(self) -> float:
         """Compiles every bucket's step (with a draft model: its verify and propose steps instead)."""
         start = time.perf_counter()
+        if self.exec_unit is not None:
+            self.exec_unit.warmup()
         if self.spec is not None:
             self.spec.warmup()
         else:
@@ -255,10 +270,27 @@ class ModelRunner:
         self.copy_evicted_pages()
         inputs = jax.device_put(batch.to_inputs(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
-        self.caches, tokens, logprobs = executable(self.state, self.caches, prev_tokens, inputs)
+        outputs = executable(self.state, self.caches, prev_tokens, inputs, *self._exec_args())
+        self.caches, tokens, logprobs = outputs[:3]
+        exec_report = None
+        if self.exec_unit is not None:
+            self.exec_unit.state, exec_report = outputs[3:]
+            for part in exec_report:
+                part.copy_to_host_async()
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
-        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens))
+        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), exec_report)
+
+    def dispatch_exec_only(self) -> StepResult:
+        """A step of the processor alone (programs running, no tokens to compute): samples nothing."""
+        exec_report = self.exec_unit.run_alone()
+        for part in exec_report:
+            part.copy_to_host_async()
+        return StepResult(self.no_tokens, self.no_tokens.astype(jnp.float32), 0, exec_report)
+
+    def _exec_args(self) -> tuple:
+        """The processor's machine state and code, when the step carries them."""
+        return () if self.exec_unit is None else (self.exec_unit.state, self.exec_unit.code)
 
     # -- KV tiers: copy whole pages out of and into the pools --------------------------------
     def warmup_tiers(self) -> None:

@@ -7,6 +7,7 @@ tokens, their attention metadata and the per-layer paged KV caches to hidden sta
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -130,6 +131,19 @@ class LlamaForCausalLM(nnx.Module):
             x, cache = layer(x, cache, meta, inv_freq)
             new_caches.append(cache)
         return self.model.norm(x), tuple(new_caches)
+
+    def extend_vocabulary(self, size: int) -> None:
+        """Grows the embedding (and an untied output head) to ``size`` ids with zero rows, for control
+        tokens added to the tokenizer; a zero row scores 0 for every hidden state until trained."""
+        grow = size - self.config.vocab_size
+        if grow <= 0:
+            return
+        table = self.model.embed_tokens.weight
+        table.value = jax.device_put(jnp.pad(table[...], ((0, grow), (0, 0))), table[...].sharding)
+        if self.lm_head is not None:
+            kernel = self.lm_head.kernel
+            kernel.value = jax.device_put(jnp.pad(kernel[...], ((0, 0), (0, grow))), kernel[...].sharding)
+        self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """float32 logits [..., vocab] for the given hidden rows."""

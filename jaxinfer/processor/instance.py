@@ -18,7 +18,7 @@ import wasmtime
 from jaxinfer.processor import machine
 from jaxinfer.processor.binary import MalformedModule, Module, decode
 from jaxinfer.processor.isa import RECORD_WIDTH, Status, Trap
-from jaxinfer.processor.lower import Program, Unsupported, lower
+from jaxinfer.processor.lower import FunctionCode, Program, Unsupported, lower
 from jaxinfer.processor.validate import InvalidModule, validate
 
 DEFAULT_REGISTERS = 16384
@@ -66,6 +66,46 @@ def _bucket(value: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (value - 1).bit_length()))
 
 
+def initial_globals(program: Program) -> np.ndarray:
+    """[globals, 2] uint32 (low, high) words of the globals' initial values."""
+    return np.array([[value & 0xFFFFFFFF, value >> 32] for value in program.global_inits], np.uint32).reshape(-1, 2)
+
+
+def initial_memory(program: Program, memory_pages: int, capacity_pages: int) -> tuple[np.ndarray, int, int]:
+    """Linear memory with the data segments written (plus 8 padding bytes), its size and its maximum."""
+    minimum, maximum = program.memory or (0, 0)
+    if minimum > memory_pages:
+        raise Unsupported(f"memory of {minimum} pages is over the limit memory_pages={memory_pages}")
+    memory = np.zeros(capacity_pages * machine.PAGE_BYTES + 8, np.uint8)
+    for offset, payload in program.data:
+        if offset + len(payload) > minimum * machine.PAGE_BYTES:
+            raise Unsupported("data segment does not fit in memory")
+        memory[offset : offset + len(payload)] = np.frombuffer(payload, np.uint8)
+    return memory, minimum, min(memory_pages, 65536 if maximum is None else maximum)
+
+
+def code_image(program: Program, code_length: int) -> np.ndarray:
+    if len(program.code) > code_length:
+        raise Unsupported(f"program of {len(program.code)} records is over the limit of {code_length}")
+    code = np.zeros((code_length, RECORD_WIDTH), np.int32)
+    code[: len(program.code)] = program.code
+    return code
+
+
+def initial_registers(globals_: np.ndarray, code: FunctionCode, args: list[int], registers: int) -> np.ndarray:
+    """The register file at entry: globals, then the entry frame (link, arguments)."""
+    if len(args) != len(code.params):
+        raise ValueError(f"args: expected {len(code.params)} values, got {len(args)}")
+    base = len(globals_)
+    if base + code.frame_size + 1 > registers:
+        raise Unsupported(f"entry frame of {code.frame_size} registers does not fit {registers} registers")
+    image = np.zeros((registers + 1, 2), np.uint32)
+    image[:base] = globals_
+    for index, value in enumerate(args):  # register 0 of the frame is its (unused) link
+        image[base + 1 + index] = (value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF)
+    return image
+
+
 @functools.lru_cache(maxsize=16)
 def _advance_for(shape: machine.MachineShape):
     return jax.jit(functools.partial(machine.advance, shape=shape), donate_argnums=0)
@@ -78,23 +118,11 @@ class Instance:
                  max_call_depth: int = DEFAULT_MAX_DEPTH, registers: int = DEFAULT_REGISTERS) -> None:
         program = compiled.program
         self.program = program
-        self.globals = np.array([[value & 0xFFFFFFFF, value >> 32] for value in program.global_inits],
-                                np.uint32).reshape(-1, 2)
-        minimum, maximum = program.memory or (0, 0)
-        if minimum > memory_pages:
-            raise Unsupported(f"memory of {minimum} pages is over the limit memory_pages={memory_pages}")
-        self.pages = minimum
-        self.max_pages = min(memory_pages, 65536 if maximum is None else maximum)
-        self.memory_limit = memory_pages
-        memory = np.zeros((1, _bucket(memory_pages, 1) * machine.PAGE_BYTES + 8), np.uint8)
-        for offset, payload in program.data:
-            if offset + len(payload) > minimum * machine.PAGE_BYTES:
-                raise Unsupported("data segment does not fit in memory")
-            memory[0, offset : offset + len(payload)] = np.frombuffer(payload, np.uint8)
-        self.memory = jax.numpy.asarray(memory)  # stays on the device between invocations
+        self.globals = initial_globals(program)
+        memory, self.pages, self.max_pages = initial_memory(program, memory_pages, _bucket(memory_pages, 1))
+        self.memory = jax.numpy.asarray(memory[None])  # stays on the device between invocations
         code_length = _bucket(len(program.code), 256)
-        self.code = np.zeros((1, code_length, RECORD_WIDTH), np.int32)
-        self.code[0, : len(program.code)] = program.code
+        self.code = code_image(program, code_length)[None]
         self.device_code = jax.numpy.asarray(self.code)
         self.shape = machine.MachineShape(1, code_length, registers, _bucket(memory_pages, 1), max_call_depth)
         if program.start is not None:
@@ -135,13 +163,8 @@ class Instance:
         return self._finish(state, code, Trap(int(state.trap[0])) if status == Status.TRAPPED else None)
 
     def _initial_state(self, code, args: list[int], max_instructions: int) -> machine.MachineState:
-        if len(args) != len(code.params):
-            raise ValueError(f"args: expected {len(code.params)} values, got {len(args)}")
-        registers = np.zeros((1, self.shape.registers + 1, 2), np.uint32)
+        registers = initial_registers(self.globals, code, args, self.shape.registers)[None]
         base = len(self.globals)
-        registers[0, :base] = self.globals
-        for index, value in enumerate(args):  # register 0 of the frame is its (unused) link
-            registers[0, base + 1 + index] = (value & 0xFFFFFFFF, (value >> 32) & 0xFFFFFFFF)
         one = functools.partial(np.full, (1,), dtype=np.int32)
         return machine.MachineState(
             pc=one(code.entry), fp=one(base), depth=one(0), status=one(Status.RUNNING), trap=one(0),

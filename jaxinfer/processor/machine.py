@@ -55,10 +55,9 @@ class MachineState(NamedTuple):
 
 
 def empty_state(shape: MachineShape) -> MachineState:
-    scalar = jnp.zeros((shape.slots,), jnp.int32)
+    scalars = {name: jnp.zeros((shape.slots,), jnp.int32) for name in MachineState._fields[:9]}
     return MachineState(
-        pc=scalar, fp=scalar, depth=scalar, status=scalar, trap=scalar, fuel=scalar, executed=scalar,
-        pages=scalar, max_pages=scalar,
+        **scalars,
         registers=jnp.zeros((shape.slots, shape.registers + 1, 2), U32),
         memory=jnp.zeros((shape.slots, shape.memory_bytes + 8), jnp.uint8),
     )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
 from jaxinfer.errors import RequestError
@@ -59,14 +60,26 @@ class Tokenizer:
         self.bos_token, self.eos_tokens, self.add_bos = bos_token, tuple(eos_tokens), add_bos
         self.bos_id = self.token_id(bos_token) if bos_token else None
         self.eos_ids = frozenset(i for i in (self.token_id(t) for t in self.eos_tokens) if i is not None)
+        self._index_specials()
+        specials = {"bos_token": bos_token, "eos_token": self.primary_eos}
+        self.chat_template = ChatTemplate(chat_template, specials) if chat_template else None
+
+    def _index_specials(self) -> None:
         self.special_ids = frozenset(
             i for i, tok in self._trusted.get_added_tokens_decoder().items() if tok.special
         )
         self._special_by_name = self.special_token_names()
         by_length = sorted(self._special_by_name, key=len, reverse=True)
         self._special_pattern = re.compile("|".join(map(re.escape, by_length)) or "(?!)")
-        specials = {"bos_token": bos_token, "eos_token": self.primary_eos}
-        self.chat_template = ChatTemplate(chat_template, specials) if chat_template else None
+
+    def add_control_tokens(self, names: Sequence[str]) -> dict[str, int]:
+        """Adds special tokens (new ids after the vocabulary unless it has them); user text still
+        encodes their spellings as plain text. Returns their ids."""
+        added = [AddedToken(name, special=True, normalized=False) for name in names]
+        self._trusted.add_special_tokens(added)
+        self._user.add_special_tokens(added)
+        self._index_specials()
+        return {name: self.token_id(name) for name in names}
 
     @property
     def primary_eos(self) -> str | None:

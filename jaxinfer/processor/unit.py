@@ -1,0 +1,134 @@
+"""The processor inside the engine's step: machine slots on device, loaded by the host, advanced on device.
+
+``ExecUnit`` owns a ``MachineState`` for ``exec_slots`` slots and their code. The engine's jitted
+step calls ``advance_in_step``, which runs up to ``exec_steps_per_step`` iterations for every
+running slot and returns a small report (status, trap, instructions, the first result registers)
+that travels back with the sampled ids. Loading a program into a slot and stopping a slot are small
+jitted updates enqueued between steps, so no step waits for the host and no instruction needs a
+host round trip.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.processor import machine
+from jaxinfer.processor.instance import (
+    CompiledModule,
+    code_image,
+    initial_globals,
+    initial_memory,
+    initial_registers,
+)
+from jaxinfer.processor.isa import Status, Trap
+from jaxinfer.processor.lower import Unsupported
+from jaxinfer.processor.protocol import ENTRY_POINTS
+
+RESULT_REGISTERS = 4  # results reported per slot (functions with more results are rejected)
+ALONE_FACTOR = 16  # a machine-only step (no sequence to compute) runs this many engine steps' iterations
+
+
+class ExecReport(NamedTuple):
+    status: jax.Array  # [slots] int32
+    trap: jax.Array  # [slots] int32
+    executed: jax.Array  # [slots] int32
+    results: jax.Array  # [slots, RESULT_REGISTERS, 2] uint32
+
+
+@dataclass(frozen=True)
+class SlotImage:
+    """A program ready to load: its code, entry registers, memory and scalars, and its result types."""
+
+    code: np.ndarray
+    registers: np.ndarray
+    memory: np.ndarray
+    scalars: np.ndarray  # pc, fp, depth, status, trap, fuel, executed, pages, max_pages
+    result_types: str
+
+
+def report(state: machine.MachineState) -> ExecReport:
+    rows = jnp.arange(state.pc.shape[0])[:, None]
+    positions = state.fp[:, None] + jnp.arange(RESULT_REGISTERS)[None, :]
+    return ExecReport(state.status, state.trap, state.executed, state.registers[rows, positions])
+
+
+def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
+                    shape: machine.MachineShape) -> tuple[machine.MachineState, ExecReport]:
+    """What the engine's step runs: at most ``steps`` iterations, then the report."""
+    state = machine.advance(state, code, jnp.int32(steps), shape)
+    return state, report(state)
+
+
+def _load(state: machine.MachineState, code: jax.Array, slot: jax.Array, image_code, registers, memory, scalars):
+    fields = {name: getattr(state, name).at[slot].set(scalars[index])
+              for index, name in enumerate(machine.MachineState._fields[:9])}
+    return machine.MachineState(**fields, registers=state.registers.at[slot].set(registers),
+                                memory=state.memory.at[slot].set(memory)), code.at[slot].set(image_code)
+
+
+def _stop(state: machine.MachineState, slot: jax.Array) -> machine.MachineState:
+    return state._replace(status=state.status.at[slot].set(Status.IDLE))
+
+
+class ExecUnit:
+    def __init__(self, shape: machine.MachineShape, steps_per_step: int, sharding: jax.sharding.Sharding) -> None:
+        self.shape, self.steps = shape, steps_per_step
+        self.state = jax.device_put(machine.empty_state(shape), sharding)
+        self.code = jax.device_put(jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32), sharding)
+        self._load = jax.jit(_load, donate_argnums=(0, 1))
+        self._alone = jax.jit(functools.partial(advance_in_step, steps=steps_per_step * ALONE_FACTOR, shape=shape),
+                              donate_argnums=(0,))
+        self._stop = jax.jit(_stop, donate_argnums=(0,))
+        self.free = list(range(shape.slots))
+
+    @property
+    def step_function(self):
+        return functools.partial(advance_in_step, steps=self.steps, shape=self.shape)
+
+    def prepare(self, compiled: CompiledModule, max_instructions: int) -> SlotImage:
+        """The slot image for the module's entry point; raises Unsupported when it cannot run here."""
+        program = compiled.program
+        entry = next((name for name in ENTRY_POINTS if program.exports.get(name, ("",))[0] == "func"), None)
+        if entry is None:
+            raise Unsupported("an exported function main or _start")
+        function = program.function_index(entry)
+        if function in program.unsupported:
+            raise Unsupported(program.unsupported[function])
+        if program.start is not None:
+            raise Unsupported("a start function")
+        code = program.functions[function]
+        if code.params or len(code.results) > RESULT_REGISTERS:
+            raise Unsupported(f"{entry} with parameters or more than {RESULT_REGISTERS} results")
+        globals_ = initial_globals(program)
+        memory, pages, max_pages = initial_memory(program, self.shape.memory_pages, self.shape.memory_pages)
+        scalars = np.array([code.entry, len(globals_), 0, Status.RUNNING, Trap.NONE, max_instructions, 0, pages,
+                            max_pages], np.int32)
+        registers = initial_registers(globals_, code, [], self.shape.registers)
+        return SlotImage(code_image(program, self.shape.code_length), registers, memory, scalars, code.results)
+
+    def load(self, slot: int, image: SlotImage) -> None:
+        self.state, self.code = self._load(self.state, self.code, np.int32(slot), image.code, image.registers,
+                                           image.memory, image.scalars)
+
+    def run_alone(self) -> ExecReport:
+        """Advances the slots without a model step (nothing else to compute); returns the report."""
+        self.state, exec_report = self._alone(self.state, self.code)
+        return exec_report
+
+    def warmup(self) -> None:
+        """Compiles the load, stop and machine-only programs now rather than at the first program."""
+        shape = self.shape
+        idle = SlotImage(np.zeros((shape.code_length, 8), np.int32), np.zeros((shape.registers + 1, 2), np.uint32),
+                         np.zeros(shape.memory_bytes + 8, np.uint8), np.zeros(9, np.int32), "")
+        self.load(0, idle)
+        self.stop(0)
+        jax.block_until_ready(self.run_alone())
+
+    def stop(self, slot: int) -> None:
+        self.state = self._stop(self.state, np.int32(slot))
