@@ -184,13 +184,21 @@ class _FunctionLowering:
 
     def emit_jump(self, depth: int, cost: int) -> None:
         """Moves then the jump to label ``depth`` (a return for the function's own label)."""
-        for destination, source in self.moves_for(depth):
-            self.emit(Op.MOV, dst=destination, a=source, cost=0)
         block = self.blocks[-1 - depth]
         if block.kind == "func":
             results = self.sources(block.label_arity)
-            self.emit(Op.RETURN, dst=0 if results else NO_WRITE, a=0, c=results[0] if results else 0, cost=cost)
-        elif block.kind == "loop":
+            first = results[0] if results else 0
+            if first in range(1, len(results)):  # a move below overwrites it: keep it above the stack first
+                self.max_height = max(self.max_height, self.height + 1)
+                self.emit(Op.MOV, dst=self.slot(self.height), a=first, cost=0)
+                first = self.slot(self.height)
+            for destination, source in self.moves_for(depth):
+                self.emit(Op.MOV, dst=destination, a=source, cost=0)
+            self.emit(Op.RETURN, dst=0 if results else NO_WRITE, a=0, c=first, cost=cost)
+            return
+        for destination, source in self.moves_for(depth):
+            self.emit(Op.MOV, dst=destination, a=source, cost=0)
+        if block.kind == "loop":
             self.emit(Op.BR, imm=block.start, cost=cost)
         else:
             block.fixups.append(self.emit(Op.BR, cost=cost))

