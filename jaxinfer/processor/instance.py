@@ -45,8 +45,8 @@ class CompiledModule:
 
 
 def to_binary(source: bytes | str) -> bytes:
-    """WebAssembly text (str, or bytes not starting with the magic) to binary with wasmtime's wat2wasm."""
-    if isinstance(source, bytes | bytearray) and bytes(source[:4]) == b"\x00asm":
+    """WebAssembly text (str, or bytes not starting with NUL) to binary with wasmtime's wat2wasm."""
+    if isinstance(source, bytes | bytearray) and source[:1] == b"\x00":  # binary (text never starts with NUL)
         return bytes(source)
     text = source.decode("utf-8") if isinstance(source, bytes | bytearray) else source
     try:
