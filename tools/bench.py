@@ -9,6 +9,7 @@
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
     python tools/bench.py spec                      # speculative decoding vs none, batch 1 and 8, 128 new tokens
+    python tools/bench.py processor                 # WebAssembly processor instructions/s vs wasmtime
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import processor_bench
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_PEER = REPO.parent / "shared" / "bench" / "hf_peer.py"
@@ -408,6 +410,8 @@ def main() -> None:
     spec.add_argument("--draft-confidence", type=float, default=0.0)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
+    processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
+                                                 epilog=processor_bench.ISSUE_SCALE))
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
                  "tiers": bench_tiers, "disagg": bench_disagg, "all": bench_all}
     for name in workloads:
@@ -429,6 +433,8 @@ def main() -> None:
         bench_gemm(args)
     elif args.workload == "spec":
         bench_spec(args)
+    elif args.workload == "processor":
+        processor_bench.bench(args)
     else:
         workloads[args.workload](args)
 
