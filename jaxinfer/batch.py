@@ -62,6 +62,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-draft-tokens", type=int, default=None, help="proposals per speculative round at most")
     p.add_argument("--draft-confidence", type=float, default=None,
                    help="a round stops proposing at the draft's first top probability below this")
+    p.add_argument("--exec", action="store_true",
+                   help="run the programs the model writes in <|exec|> blocks (the processor; per line: \"exec\")")
+    p.add_argument("--exec-slots", type=int, default=None,
+                   help="processor slots in the step (default 4 with --exec; 0 turns the processor off)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -76,6 +80,7 @@ def default_params(args: argparse.Namespace) -> dict[str, Any]:
         "min_p": args.min_p,
         "seed": args.seed,
         "stop": tuple(args.stop),
+        "exec": args.exec,
     }
 
 
@@ -133,7 +138,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"dtype": args.dtype, "max_seqs": args.max_seqs, "num_pages": args.num_pages,
                  "page_size": args.page_size, "kv_store": args.kv_store, "kv_host_pages": args.kv_host_pages,
                  "draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens,
-                 "draft_confidence": args.draft_confidence}
+                 "draft_confidence": args.draft_confidence,
+                 "exec_slots": args.exec_slots if args.exec_slots is not None else (4 if args.exec else None)}
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
     start = time.perf_counter()
     engine, job_of = llm.engine, {}
@@ -172,6 +178,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "host_fraction": round(metrics["host_fraction"], 4),
         "preemptions": llm.engine.stats.preemptions,
         "spec_proposed": llm.engine.stats.spec_proposed,
+        "exec_programs": llm.engine.stats.exec_programs,
+        "exec_traps": llm.engine.stats.exec_traps,
         "spec_accepted": llm.engine.stats.spec_accepted,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),

@@ -223,6 +223,8 @@ class Engine:
         waited = 0.0
         finished: list[RequestOutput] = []
         self._tier_upkeep()
+        if self.executor is not None:  # programs written since the last step start (or trap) first
+            self.executor.start_pending(self.stats.steps)
         chunks = self.scheduler.schedule() if self.scheduler.has_unfinished() else []
         launched = self._launch(chunks) if chunks else self._launch_exec_only()
         previous, self._inflight = self._inflight, launched
@@ -233,14 +235,15 @@ class Engine:
         if not self.async_scheduling and self._inflight is not None:
             launched, self._inflight = self._inflight, None
             waited += self._process(launched, finished)
-        if self.executor is not None:
-            self.executor.start_pending(self.stats.steps)
-            for seq in self._drain_forced_finished():
-                self._finish(seq, finished)
-        if launched is None and previous is None and not (self.executor and self.executor.pending):
+        for seq in self._drain_forced_finished():
+            self._finish(seq, finished)
+        if launched is None and previous is None and not self._programs_waiting():
             self._nothing_launched()
         self._account(started, waited)
         return finished
+
+    def _programs_waiting(self) -> bool:
+        return self.executor is not None and bool(self.executor.pending or self.executor.busy)
 
     def _launch_exec_only(self) -> _InflightStep | None:
         """With programs running and no sequence to compute, a step that only advances the machine."""

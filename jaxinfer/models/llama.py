@@ -139,10 +139,10 @@ class LlamaForCausalLM(nnx.Module):
         if grow <= 0:
             return
         table = self.model.embed_tokens.weight
-        table.value = jax.device_put(jnp.pad(table[...], ((0, grow), (0, 0))), table[...].sharding)
+        table.set_value(jax.device_put(jnp.pad(table[...], ((0, grow), (0, 0))), table[...].sharding))
         if self.lm_head is not None:
             kernel = self.lm_head.kernel
-            kernel.value = jax.device_put(jnp.pad(kernel[...], ((0, 0), (0, grow))), kernel[...].sharding)
+            kernel.set_value(jax.device_put(jnp.pad(kernel[...], ((0, 0), (0, grow))), kernel[...].sharding))
         self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def logits(self, hidden: jax.Array) -> jax.Array:
