@@ -147,3 +147,28 @@ def test_audit_log_records_each_program(exec_llm: LLM, caplog: pytest.LogCapture
     assert runs and runs[-1]["result"] == "42" and runs[-1]["instructions"] == 3
     assert len(runs[-1]["module_sha256"]) == 64
     assert np.isfinite(runs[-1]["seconds"])
+
+
+def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    program = [*CHAT, {"special": "<|exec|>"}, SIX_TIMES_SEVEN, {"special": "<|/exec|>"}]
+    lines = [{"id": "on", "prompt": program}, {"id": "off", "prompt": program, "exec": False}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "engine.toml").write_text(
+        "[engine]\ntoken_buckets = [1, 8, 64]\nmax_seqs = 8\npage_size = 8\nnum_pages = 512\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"), "--output",
+         str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"), "--exec", "--exec-slots", "1",
+         "--max-tokens", "8", "--no-progress", "--stats-json", str(tmp_path / "stats.json")],
+        cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    outputs = {record["id"]: record for record in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    assert outputs["on"]["text"].startswith("<|result|>42<|/result|>")
+    assert "<|result|>" not in outputs["off"]["text"]
+    assert json.loads((tmp_path / "stats.json").read_text())["exec_programs"] == 1
