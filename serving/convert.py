@@ -10,7 +10,8 @@ from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 DEFAULT_MAX_TOKENS = 128
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 REASON_OF = {code: name for name, code in FINISH_REASONS.items()}
-OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "num_draft_tokens")
+OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "min_tokens", "num_draft_tokens",
+            "exec_max_instructions")
 
 
 def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
@@ -20,11 +21,11 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
         if proto.HasField(name):
             values[name] = getattr(proto, name)
     return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
-                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs)
+                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs, exec=proto.exec)
 
 
 def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
     """SamplingParams -> proto (every field explicit, so the peer applies no defaults of its own)."""
     return pb.SamplingParams(**{name: getattr(params, name) for name in OPTIONAL}, stop=list(params.stop),
                              stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                             logprobs=params.logprobs)
+                             logprobs=params.logprobs, exec=params.exec)

@@ -144,7 +144,8 @@ class EngineWorker:
             return
         stop = stream.request.params.stop
         stream.holdback = max((len(s) for s in stop), default=1) - 1
-        stream.detokenizer = IncrementalDetokenizer(self.engine.tokenizer)
+        stream.detokenizer = IncrementalDetokenizer(self.engine.tokenizer,
+                                                    keep=self.engine.shown_special_ids(stream.request.params))
         self._streams[stream.seq.index] = stream
 
     def _abort(self, stream: _Stream) -> None:

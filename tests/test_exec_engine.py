@@ -172,3 +172,24 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     assert outputs["on"]["text"].startswith("<|result|>42<|/result|>")
     assert "<|result|>" not in outputs["off"]["text"]
     assert json.loads((tmp_path / "stats.json").read_text())["exec_programs"] == 1
+
+
+def test_grpc_exec_field_streams_the_result(exec_llm: LLM) -> None:
+    from test_serving import RunningServer
+
+    from serving.client import InferenceClient
+
+    ids = exec_llm.encode(exec_prompt(SIX_TIMES_SEVEN))
+    running = RunningServer(exec_llm)
+    try:
+        running.call(running.server.load())
+        with InferenceClient(running.target, timeout=120) as client:
+            deltas = list(client.stream(ids, max_tokens=8, temperature=0.0, exec=True))
+            plain = list(client.stream(ids, max_tokens=8, temperature=0.0))
+    finally:
+        running.close()
+    expected = exec_llm.generate([exec_prompt(SIX_TIMES_SEVEN)], greedy(exec=True))[0]
+    assert "".join(d.text for d in deltas) == expected.text
+    assert expected.text.startswith("<|result|>42<|/result|>")
+    assert [t for d in deltas for t in d.token_ids] == expected.token_ids
+    assert "<|result|>" not in "".join(d.text for d in plain)

@@ -543,9 +543,13 @@ class Engine:
             return True
         return False
 
+    def shown_special_ids(self, params: SamplingParams) -> frozenset[int]:
+        """Special ids that stay in a request's text: the exec markers when exec is on."""
+        return frozenset(self.executor.tokens.all) if params.exec and self.executor is not None else frozenset()
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        if seq.params.exec and self.executor is not None:  # the exec markers stay in the text
-            shown = set(self.executor.tokens.all)
+        shown = self.shown_special_ids(seq.params)
+        if shown:
             kept = [t for t in seq.output_ids if t not in self.tokenizer.special_ids or t in shown]
             text = self.tokenizer.decode(kept, skip_special_tokens=False)
         else:

@@ -56,12 +56,13 @@ class IncrementalDetokenizer:
     Ids the tokenizer does not know (a model's padded vocabulary rows) decode to nothing, as in `decode`.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()):
+        """`keep`: special ids shown even when special tokens are skipped (the exec markers)."""
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.skip_special_tokens = skip_special_tokens and not keep
         # Skipped special tokens are filtered before the backend's decoder runs, so leaving them out
         # of the window changes nothing but the window's length.
-        self._skipped = tokenizer.special_ids if skip_special_tokens else frozenset()
+        self._skipped = tokenizer.special_ids - keep if skip_special_tokens else frozenset()
         self._window: list[int] = []  # ids from the window start on
         self._read = 0  # index in _window of the last clean boundary (all text before it emitted)
         self._prefix = ""  # window-relative text already accounted for
