@@ -181,6 +181,8 @@ class EngineConfig:
     exec_code_records: int = 4096  # micro-ops per program
     exec_registers: int = 4096  # register file per slot (globals, frames)
     exec_max_call_depth: int = 256
+    exec_files_root: str = ""  # programs may map files of <root>/<tenant>/ as WASI descriptors ("": no files)
+    exec_quota_bytes: int = 1 << 20  # a tenant's files may not grow past this (a trap)
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True

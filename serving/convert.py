@@ -21,11 +21,13 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
         if proto.HasField(name):
             values[name] = getattr(proto, name)
     return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
-                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs, exec=proto.exec)
+                          ignore_eos=proto.ignore_eos, logprobs=proto.logprobs, exec=proto.exec,
+                          exec_files=tuple(proto.exec_files))
 
 
 def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
     """SamplingParams -> proto (every field explicit, so the peer applies no defaults of its own)."""
     return pb.SamplingParams(**{name: getattr(params, name) for name in OPTIONAL}, stop=list(params.stop),
                              stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                             logprobs=params.logprobs, exec=params.exec)
+                             logprobs=params.logprobs, exec=params.exec,
+                             exec_files=list(params.exec_files))

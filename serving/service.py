@@ -119,7 +119,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         except (RequestError, ValueError) as exc:
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        engine_req = dataclasses.replace(engine_req, cache_salt=tenant.cache_salt)
+        engine_req = dataclasses.replace(engine_req, cache_salt=tenant.cache_salt, tenant=tenant.name)
         cost = len(engine_req.prompt_ids) + engine_req.params.max_tokens
         try:
             self.tenants.admit(tenant, cost)

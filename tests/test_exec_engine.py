@@ -8,6 +8,8 @@ the greedy choice right after the program text.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from conftest import TEST_ENGINE
@@ -32,8 +34,16 @@ def greedy(max_tokens: int = 8, **fields) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def exec_llm() -> LLM:
-    return LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2)
+def files_root(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("tenants")
+    (root / "acme").mkdir()
+    (root / "acme" / "numbers.txt").write_bytes(b"40 2")
+    return root
+
+
+@pytest.fixture(scope="module")
+def exec_llm(files_root) -> LLM:
+    return LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2, exec_files_root=str(files_root))
 
 
 def result_ids(llm: LLM, text: str) -> list[int]:
@@ -193,3 +203,31 @@ def test_grpc_exec_field_streams_the_result(exec_llm: LLM) -> None:
     assert expected.text.startswith("<|result|>42<|/result|>")
     assert [t for d in deltas for t in d.token_ids] == expected.token_ids
     assert "<|result|>" not in "".join(d.text for d in plain)
+
+
+COPY_AND_PRINT = """(module
+ (import "wasi_snapshot_preview1" "fd_read" (func $read (param i32 i32 i32 i32) (result i32)))
+ (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
+ (memory 1)
+ (func (export "main") (result i32)
+   (i32.store (i32.const 0) (i32.const 100)) (i32.store (i32.const 4) (i32.const 64))
+   (drop (call $read (i32.const 3) (i32.const 0) (i32.const 1) (i32.const 8)))
+   (i32.store (i32.const 4) (i32.load (i32.const 8)))
+   (drop (call $write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 12)))
+   (drop (call $write (i32.const 4) (i32.const 0) (i32.const 1) (i32.const 12)))
+   (i32.load (i32.const 12))))"""
+
+
+def test_wasi_stdout_and_tenant_files_in_generation(exec_llm: LLM, files_root) -> None:
+    params = greedy(max_tokens=16, exec=True, exec_files=("numbers.txt", "copy.txt"))
+    request = exec_llm.request(exec_prompt(COPY_AND_PRINT), params)
+    out = exec_llm.engine.generate([dataclasses.replace(request, tenant="acme")])[0]
+    assert out.text.startswith("<|result|>4\n40 2<|/result|>")
+    assert (files_root / "acme" / "copy.txt").read_bytes() == b"40 2"
+
+
+def test_file_mapping_errors_name_the_field(exec_llm: LLM, smollm2_llm: LLM) -> None:
+    with pytest.raises(RequestError, match="exec_files"):
+        exec_llm.generate([exec_prompt(COPY_AND_PRINT)], greedy(exec=True, exec_files=("../x",)))
+    with pytest.raises(RequestError, match="exec_files_root"):
+        smollm2_llm.generate(["hi"], greedy(exec_files=("a.txt",)))

@@ -25,11 +25,12 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from jaxinfer.engine.disagg import PagePublisher
-from jaxinfer.engine.executor import Executor
+from jaxinfer.engine.executor import DEFAULT_TENANT, Executor
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
@@ -40,6 +41,7 @@ from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
 from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.processor.protocol import CONTROL_TOKENS, ExecTokens
+from jaxinfer.processor.wasi import FileAccessError, FileMapping
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -101,7 +103,14 @@ class Engine:
         if missing:
             raise ValueError(f"the tokenizer lacks the exec control tokens {missing} (add_control_tokens)")
         return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg.exec_max_instructions,
-                        self.cfg.exec_timeout_seconds, self._append_forced)
+                        self.cfg.exec_timeout_seconds, self._append_forced, self._file_mapping)
+
+    def _file_mapping(self, seq: Sequence) -> FileMapping | None:
+        """The files a request's programs see: its tenant's namespace under engine.exec_files_root."""
+        if not seq.params.exec_files:
+            return None
+        return FileMapping(Path(self.cfg.exec_files_root), seq.request.tenant or DEFAULT_TENANT,
+                           seq.params.exec_files, self.cfg.exec_quota_bytes)
 
     @property
     def prefix_caching(self) -> bool:
@@ -112,6 +121,20 @@ class Engine:
         """Raises RequestError naming the field and the limit for a request the engine cannot run."""
         self._check_prompt(request.prompt_ids, request.params)
         self._check_handoff(request)
+        self._check_files(request)
+
+    def _check_files(self, request: Request) -> None:
+        if not request.params.exec_files:
+            return
+        if not self.cfg.exec_files_root:
+            raise RequestError("exec_files: this engine maps no files (engine.exec_files_root is empty)")
+        mapping = FileMapping(Path(self.cfg.exec_files_root), request.tenant or DEFAULT_TENANT,
+                              request.params.exec_files)
+        try:
+            for path in mapping.paths:
+                mapping.resolve(path)
+        except FileAccessError as error:
+            raise RequestError(str(error)) from error
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
@@ -513,7 +536,7 @@ class Engine:
                 if self.executor is not None:
                     self.executor.on_token(seq)
         if self.executor is not None:
-            self.executor.collect(step.result.fetch_exec(), step.number)
+            self.executor.collect(step.result.fetch_exec(), step.number, self.stats.steps)
         return waited
 
     def _append(self, seq: Sequence, token: int, logprob: float) -> None:

@@ -11,6 +11,7 @@ the wall timeout become traps with their own messages. Every run goes to the aud
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -19,15 +20,17 @@ from dataclasses import dataclass
 
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.processor.binary import MalformedModule
-from jaxinfer.processor.instance import compile_module
+from jaxinfer.processor.instance import compile_module, serve_host_call
 from jaxinfer.processor.isa import Status, Trap
 from jaxinfer.processor.lower import Unsupported
 from jaxinfer.processor.protocol import ExecTokens, module_hash, program_ids, result_text
-from jaxinfer.processor.unit import ExecReport, ExecUnit
+from jaxinfer.processor.unit import ExecReport, ExecUnit, SlotImage
 from jaxinfer.processor.validate import InvalidModule
+from jaxinfer.processor.wasi import FileMapping, Syscalls
 from jaxinfer.tokenizer import Tokenizer
 
 audit = logging.getLogger("jaxinfer.audit")
+DEFAULT_TENANT = "default"
 
 
 @dataclass
@@ -36,16 +39,19 @@ class _Run:
 
     seq: Sequence
     source_hash: str
-    result_types: str
-    loaded_after_step: int  # reports of steps launched up to this one predate the load
+    image: SlotImage
+    syscalls: Syscalls
+    loaded_after_step: int  # reports of steps launched up to this one predate the load (or the last resume)
     started: float
     timeout: float
 
 
 class Executor:
     def __init__(self, unit: ExecUnit, tokens: ExecTokens, tokenizer: Tokenizer, max_instructions: int,
-                 timeout_seconds: float, append_forced: Callable[[Sequence, list[int]], None]) -> None:
+                 timeout_seconds: float, append_forced: Callable[[Sequence, list[int]], None],
+                 files: Callable[[Sequence], FileMapping | None] = lambda seq: None) -> None:
         self.unit, self.tokens, self.tokenizer = unit, tokens, tokenizer
+        self.files = files  # the request's file mapping (tenant namespace), or None
         self.max_instructions, self.timeout_seconds = max_instructions, timeout_seconds
         self.append_forced = append_forced
         self.runs: dict[int, _Run] = {}  # slot -> run
@@ -84,22 +90,26 @@ class Executor:
         limit = min(seq.params.exec_max_instructions or self.max_instructions, self.max_instructions)
         try:
             image = self.unit.prepare(compile_module(source), limit)
-        except (MalformedModule, InvalidModule, Unsupported, ValueError) as error:
+            syscalls = Syscalls(self.files(seq))
+        except (MalformedModule, InvalidModule, Unsupported, ValueError, OSError) as error:
             kind = "unsupported: needs " if isinstance(error, Unsupported) else ""
             self._write_back(seq, module_hash(source), f"{kind}{error}", trap=True, instructions=0, seconds=0.0)
             return
         slot = self.unit.free.pop(0)
         self.unit.load(slot, image)
         seq.exec_slot = slot
-        self.runs[slot] = _Run(seq, module_hash(source), image.result_types, steps_launched, time.monotonic(),
+        self.runs[slot] = _Run(seq, module_hash(source), image, syscalls, steps_launched, time.monotonic(),
                                self.timeout_seconds)
 
-    def collect(self, report: ExecReport | None, step_number: int) -> None:
-        """Writes back the programs that a step's report shows halted, and those past their wall time."""
+    def collect(self, report: ExecReport | None, step_number: int, steps_launched: int) -> None:
+        """Serves system calls, writes back the programs that a step's report shows halted, and those
+        past their wall time."""
         now = time.monotonic()
         for slot, run in list(self.runs.items()):
             if report is not None and step_number > run.loaded_after_step:
                 status = int(report.status[slot])
+                if status == Status.SYSCALL and self._serve(slot, run, steps_launched, now):
+                    continue
                 if status in (Status.DONE, Status.TRAPPED):
                     self._halted(slot, run, report, status, now)
                     continue
@@ -108,6 +118,25 @@ class Executor:
                 self._write_back(run.seq, run.source_hash, Trap.TIMEOUT.message, trap=True, instructions=-1,
                                  seconds=now - run.started)
 
+    def _serve(self, slot: int, run: _Run, steps_launched: int, now: float) -> bool:
+        """Serves the slot's system call on the host; True when the program goes on."""
+        scalars, registers, memory = self.unit.read(slot)
+        outcome = serve_host_call(run.image.code, scalars, registers, memory, run.syscalls)
+        if outcome.resume:
+            self.unit.resume(slot, scalars, registers, memory)
+            run.loaded_after_step = steps_launched  # reports of steps already launched still show SYSCALL
+            return True
+        self._release(slot)
+        instructions = int(scalars[6])
+        if outcome.trap is not None or outcome.exit_code:
+            message = outcome.trap or f"exit code {outcome.exit_code}"
+            self._write_back(run.seq, run.source_hash, message, True, instructions, now - run.started)
+        else:
+            files = run.syscalls.commit()
+            text = result_text([], "", bytes(run.syscalls.stdout))
+            self._write_back(run.seq, run.source_hash, text, False, instructions, now - run.started, files)
+        return True
+
     def _halted(self, slot: int, run: _Run, report: ExecReport, status: int, now: float) -> None:
         instructions = int(report.executed[slot])
         self._release(slot)
@@ -115,20 +144,24 @@ class Executor:
             message = Trap(int(report.trap[slot])).message
             self._write_back(run.seq, run.source_hash, message, True, instructions, now - run.started)
             return
+        types = run.image.result_types
         values = [int(low) | (int(high) << 32 if kind == "I" else 0)
-                  for (low, high), kind in zip(report.results[slot], run.result_types, strict=False)]
-        text = result_text(values, run.result_types)
-        self._write_back(run.seq, run.source_hash, text, False, instructions, now - run.started)
+                  for (low, high), kind in zip(report.results[slot], types, strict=False)]
+        files = run.syscalls.commit()
+        text = result_text(values, types, bytes(run.syscalls.stdout))
+        self._write_back(run.seq, run.source_hash, text, False, instructions, now - run.started, files)
 
     def _write_back(self, seq: Sequence, source_hash: str, text: str, trap: bool, instructions: int,
-                    seconds: float) -> None:
+                    seconds: float, files: dict[str, bytes] | None = None) -> None:
         seq.exec_source = None
         self.programs_run += 1
         self.traps += trap
         audit.info(json.dumps({
-            "event": "exec", "request_id": seq.request.request_id, "tenant": seq.request.cache_salt,
+            "event": "exec", "request_id": seq.request.request_id, "tenant": seq.request.tenant or DEFAULT_TENANT,
             "module_sha256": source_hash, "instructions": instructions,
             "trap" if trap else "result": text, "seconds": round(seconds, 6),
+            "files_mapped": list(seq.params.exec_files),
+            "files_written": {path: hashlib.sha256(data).hexdigest() for path, data in (files or {}).items()},
         }))
         if seq.finish_reason is not None:
             return

@@ -30,12 +30,14 @@ class SamplingParams:
     num_draft_tokens: int | None = None  # speculative proposals per round: None = the engine's, 0 = off
     exec: bool = False  # run the programs this request writes in <|exec|> blocks (engine.exec_slots > 0)
     exec_max_instructions: int | None = None  # fuel per program; None = the engine's cap (also the maximum)
+    exec_files: tuple[str, ...] = ()  # the tenant's files mapped to descriptors 3, 4, ... (engine.exec_files_root)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "exec_files", tuple(self.exec_files))
         self._check()
 
     def _check(self) -> None:
@@ -51,6 +53,8 @@ class SamplingParams:
             _int_field("num_draft_tokens", self.num_draft_tokens, low=0, high=64)
         if self.exec_max_instructions is not None:
             _int_field("exec_max_instructions", self.exec_max_instructions, low=1, high=MAX_INT32)
+        if len(self.exec_files) > 16 or not all(isinstance(path, str) and path for path in self.exec_files):
+            raise RequestError("exec_files: at most 16 non-empty relative paths")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop[{i}]: must be a non-empty string")
@@ -92,6 +96,7 @@ class Request:
     request_id: str = ""
     forged_tokens: int = 0  # control tokens forged in user text and encoded as plain text
     cache_salt: str = ""  # prefix-cache namespace (the tenant): pages are shared only within one salt
+    tenant: str = ""  # whose files exec programs may map (engine.exec_files_root/<tenant>/); "" = "default"
     # Disaggregated prefill and decode (engine/disagg.py). A prefill worker's request sets `publish_kv`:
     # when it finishes, its prompt's full KV pages are written to the KV store. The decode worker's
     # request continues from the ids generated there, and reads the `stored_pages` leading pages.

@@ -17,9 +17,10 @@ import wasmtime
 
 from jaxinfer.processor import machine
 from jaxinfer.processor.binary import MalformedModule, Module, decode
-from jaxinfer.processor.isa import RECORD_WIDTH, Status, Trap
+from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Status, Trap
 from jaxinfer.processor.lower import FunctionCode, Program, Unsupported, lower
 from jaxinfer.processor.validate import InvalidModule, validate
+from jaxinfer.processor.wasi import SYSCALL_NAMES, SYSCALLS, FileMapping, ProcessExit, QuotaExceeded, Syscalls
 
 DEFAULT_REGISTERS = 16384
 DEFAULT_MAX_DEPTH = 1024
@@ -36,6 +37,41 @@ class ExecResult:
     instructions: int
     stdout: bytes = b""
     files_written: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass
+class HostCallOutcome:
+    """What serving a slot's system call decided: resume it, or end it (an exit or a trap)."""
+
+    resume: bool
+    exit_code: int | None = None
+    trap: str | None = None
+
+
+def serve_host_call(code: np.ndarray, scalars: np.ndarray, registers: np.ndarray, memory: np.ndarray,
+                    syscalls: Syscalls) -> HostCallOutcome:
+    """Serves the HOSTCALL a slot stopped at; updates its scalars, registers and memory (host copies)."""
+    pc, fp, pages = (int(scalars[_SCALAR[name]]) for name in ("pc", "fp", "pages"))
+    record = code[pc]
+    number, count = int(record[FIELD["imm"]]), int(record[FIELD["imm2"]])
+    base = fp + int(record[FIELD["b"]])
+    params = SYSCALLS[SYSCALL_NAMES[number]][1]
+    args = [int(registers[base + i, 0]) | (int(registers[base + i, 1]) << 32 if params[i] == "I" else 0)
+            for i in range(count)]
+    try:
+        errno = syscalls.call(number, args, memory[: pages * machine.PAGE_BYTES + 8])
+    except ProcessExit as exit_:
+        return HostCallOutcome(False, exit_code=exit_.code)
+    except QuotaExceeded:
+        return HostCallOutcome(False, trap=Trap.QUOTA.message)
+    if int(record[FIELD["dst"]]) != NO_WRITE:
+        registers[fp + int(record[FIELD["dst"]])] = (errno, 0)
+    scalars[_SCALAR["pc"]] = pc + 1
+    scalars[_SCALAR["status"]] = Status.RUNNING
+    return HostCallOutcome(True)
+
+
+_SCALAR = {name: index for index, name in enumerate(machine.MachineState._fields[:9])}
 
 
 @dataclass
@@ -144,23 +180,38 @@ class Instance:
         return self.call(self.program.function_index(name), list(args), **limits)
 
     def call(self, function: int, args: list[int], *, max_instructions: int = 2**31 - 1,
-             timeout_seconds: float | None = None) -> ExecResult:
+             timeout_seconds: float | None = None, files: FileMapping | None = None) -> ExecResult:
+        """Runs one function; WASI calls are served on the host, files committed only on a normal halt."""
         program = self.program
         if function in program.unsupported:
             raise Unsupported(program.unsupported[function])
         code = program.functions[function]
+        syscalls = Syscalls(files)
         state = self._initial_state(code, args, max_instructions)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
         advance = _advance_for(self.shape)
-        device_code = self.device_code
         while True:
-            state = advance(state, device_code, np.int32(STEPS_PER_CALL))
+            state = advance(state, self.device_code, np.int32(STEPS_PER_CALL))
             status = int(state.status[0])
-            if status != Status.RUNNING:
+            if status == Status.SYSCALL:
+                state, outcome = self._serve(state, syscalls)
+                if not outcome.resume:
+                    return self._finish(state, code, syscalls, outcome.trap, outcome.exit_code)
+            elif status != Status.RUNNING:
                 break
             if deadline is not None and time.monotonic() > deadline:
-                return self._finish(state, code, Trap.TIMEOUT)
-        return self._finish(state, code, Trap(int(state.trap[0])) if status == Status.TRAPPED else None)
+                return self._finish(state, code, syscalls, Trap.TIMEOUT.message)
+        trap = Trap(int(state.trap[0])).message if status == Status.TRAPPED else None
+        return self._finish(state, code, syscalls, trap)
+
+    def _serve(self, state: machine.MachineState, syscalls: Syscalls
+               ) -> tuple[machine.MachineState, HostCallOutcome]:
+        scalars = np.array([int(getattr(state, name)[0]) for name in _SCALAR], np.int32)
+        registers, memory = np.array(state.registers[0]), np.array(state.memory[0])
+        outcome = serve_host_call(self.code[0], scalars, registers, memory, syscalls)
+        one = {name: np.full((1,), scalars[index], np.int32) for name, index in _SCALAR.items()}
+        return machine.MachineState(**one, registers=jax.numpy.asarray(registers[None]),
+                                    memory=jax.numpy.asarray(memory[None])), outcome
 
     def _initial_state(self, code, args: list[int], max_instructions: int) -> machine.MachineState:
         registers = initial_registers(self.globals, code, args, self.shape.registers)[None]
@@ -172,25 +223,31 @@ class Instance:
             registers=jax.numpy.asarray(registers), memory=self.memory,
         )
 
-    def _finish(self, state: machine.MachineState, code, trap: Trap | None) -> ExecResult:
+    def _finish(self, state: machine.MachineState, code: FunctionCode, syscalls: Syscalls, trap: str | None,
+                exit_code: int | None = None) -> ExecResult:
         registers = np.asarray(state.registers[0])
         base = len(self.globals)
         self.globals = registers[:base].copy()
         self.memory = state.memory
         self.pages = int(state.pages[0])
+        if exit_code:  # proc_exit with a failure code: like a trap, the files stay as they were
+            trap = f"exit code {exit_code}"
         values = []
-        if trap is None:
+        if trap is None and exit_code is None:
             for index, value_type in enumerate(code.results):
                 low, high = (int(word) for word in registers[base + index])
                 values.append(low if value_type == "i" else low | high << 32)
-        return ExecResult(values, trap.message if trap is not None else None, int(state.executed[0]))
+        written = syscalls.commit() if trap is None else {}
+        return ExecResult(values, trap, int(state.executed[0]), bytes(syscalls.stdout), written)
 
 
 def run(module: bytes | str, func: str = "main", args: list[int] = (), *, max_instructions: int = 10_000_000,
-        memory_pages: int = DEFAULT_MEMORY_PAGES, timeout_seconds: float | None = None) -> ExecResult:
-    """Compile, instantiate and invoke one export on the jitted machine."""
+        memory_pages: int = DEFAULT_MEMORY_PAGES, timeout_seconds: float | None = None,
+        files: FileMapping | None = None) -> ExecResult:
+    """Compile, instantiate and invoke one export on the jitted machine (``files``: WASI descriptors 3..)."""
     instance = Instance(compile_module(module), memory_pages=memory_pages)
-    return instance.invoke(func, list(args), max_instructions=max_instructions, timeout_seconds=timeout_seconds)
+    return instance.invoke(func, list(args), max_instructions=max_instructions, timeout_seconds=timeout_seconds,
+                           files=files)
 
 
 def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *, max_instructions: int = 10_000_000,
@@ -219,7 +276,8 @@ def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *,
     for slot, instance in enumerate(instances):
         one = jax.tree.map(lambda leaf, slot=slot: leaf[slot : slot + 1], state)
         status = int(one.status[0])
-        results.append(instance._finish(one, code, Trap(int(one.trap[0])) if status == Status.TRAPPED else None))
+        trap = Trap(int(one.trap[0])).message if status == Status.TRAPPED else None
+        results.append(instance._finish(one, code, Syscalls(), trap))
     return results
 
 

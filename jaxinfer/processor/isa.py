@@ -8,7 +8,8 @@ registers and writes at most one. A record is ``RECORD_WIDTH`` int32 fields:
 
 ``dst``/``a``/``b``/``c`` are register offsets from the frame pointer (``dst = NO_WRITE`` writes
 nothing; ``GGET``/``GSET`` address globals absolutely). ``imm``/``imm2`` are immediates (a
-constant's low/high words, a branch target, a memory offset and access kind), and ``cost`` is the
+constant's low/high words, a branch target, a memory offset and access kind, a system call's
+number and argument count), and ``cost`` is the
 number of WebAssembly instructions the record accounts for (0 for moves and jumps that lowering
 adds), which is what fuel and the instruction count measure.
 """
@@ -21,7 +22,7 @@ RECORD_WIDTH = 8
 NO_WRITE = -1
 FIELD = {name: index for index, name in enumerate(("op", "dst", "a", "b", "c", "imm", "imm2", "cost"))}
 
-_CONTROL = ["UNREACHABLE", "BR", "BR_IF", "BR_UNLESS", "BR_TABLE", "CALL", "RETURN"]
+_CONTROL = ["UNREACHABLE", "BR", "BR_IF", "BR_UNLESS", "BR_TABLE", "CALL", "RETURN", "HOSTCALL"]
 _DATA = ["CONST", "MOV", "GGET", "GSET", "SELECT", "LOAD", "STORE", "MSIZE", "MGROW"]
 _UNARY = ["EQZ", "CLZ", "CTZ", "POPCNT", "EXT8", "EXT16"]
 _BINARY = ["ADD", "SUB", "MUL", "DIV_S", "DIV_U", "REM_S", "REM_U", "AND", "OR", "XOR", "SHL", "SHR_S", "SHR_U",
@@ -50,6 +51,7 @@ class Trap(enum.IntEnum):
     FUEL_EXHAUSTED = 6
     MEMORY_LIMIT = 7
     TIMEOUT = 8
+    QUOTA = 9  # set by the host: staged file writes past the tenant's quota
 
     @property
     def message(self) -> str:
@@ -66,6 +68,7 @@ _TRAP_MESSAGES = {
     Trap.FUEL_EXHAUSTED: "fuel exhausted",
     Trap.MEMORY_LIMIT: "memory limit exceeded",
     Trap.TIMEOUT: "wall timeout",
+    Trap.QUOTA: "file quota exceeded",
 }
 
 
@@ -74,6 +77,7 @@ class Status(enum.IntEnum):
     RUNNING = 1
     DONE = 2
     TRAPPED = 3
+    SYSCALL = 4  # stopped at a HOSTCALL record until the host serves it and resumes the slot
 
 
 # LOAD's imm2: bytes | 16 when sign-extended | 32 when the result is i64.

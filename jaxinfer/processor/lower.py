@@ -6,8 +6,9 @@ is register ``1 + k`` and stack slot ``s`` of a function with ``L`` locals is re
 callee's link; RETURN reads the link and writes the first result over it in the same record.
 Branches that carry values become explicit moves followed by a jump; ``br_table`` becomes an
 indexed jump into a table of jumps. Code after an unconditional branch is not emitted. A function
-that uses an instruction the machine does not run (floats, indirect calls, imports) is recorded as
-unsupported with the instruction's name, and so is every function that calls it.
+that uses an instruction the machine does not run (floats, indirect calls, imports other than the
+WASI subset of wasi.py) is recorded as unsupported with the instruction's name, and so is every
+function that calls it. A call to an imported WASI function is a HOSTCALL record.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 from jaxinfer.processor.binary import Instruction, Module
 from jaxinfer.processor.isa import FIELD, NO_WRITE, NUMERIC_OPS, RECORD_WIDTH, Op, load_kind
 from jaxinfer.processor.validate import block_signature
+from jaxinfer.processor.wasi import SYSCALLS, WASI_MODULE
 
 
 class Unsupported(ValueError):
@@ -72,8 +74,10 @@ class _FunctionLowering:
     """Lowers one function body; ``calls`` collects CALL records to patch once all are lowered."""
 
     def __init__(self, module: Module, function_types: list[int], param_types: str, local_types: str,
-                 results: str, code: list[list[int]], calls: list[tuple[int, int]]) -> None:
+                 results: str, code: list[list[int]], calls: list[tuple[int, int]],
+                 host_calls: dict[int, int]) -> None:
         self.module = module
+        self.host_calls = host_calls  # imported function index -> WASI system call number
         self.function_types = function_types
         self.locals = len(param_types) + len(local_types)
         self.results = results
@@ -267,6 +271,11 @@ class _FunctionLowering:
     def op_call(self, function: int) -> None:
         signature = self.module.types[self.function_types[function]]
         base = self.height - len(signature.params)
+        if function in self.host_calls:  # arguments stay where they are; the result replaces the first
+            self.emit(Op.HOSTCALL, dst=self.slot(base) if signature.results else NO_WRITE, b=self.slot(base),
+                      imm=self.host_calls[function], imm2=len(signature.params))
+            self.set_height(base + len(signature.results))
+            return
         self.set_height(self.height + 1)
         for index in reversed(range(len(signature.params))):
             self.emit(Op.MOV, dst=self.slot(base + index + 1), a=self.slot(base + index), cost=0)
@@ -358,15 +367,20 @@ def _lower_functions(module: Module, function_types: list[int], imported: int, c
     functions: dict[int, FunctionCode] = {}
     unsupported: dict[int, str] = {}
     calls: list[tuple[int, int]] = []
-    for index in range(imported):
-        entry = module.imports[[i for i, e in enumerate(module.imports) if e.kind == "func"][index]]
-        unsupported[index] = f"imported function {entry.module}.{entry.name}"
+    host_calls: dict[int, int] = {}
+    for index, entry in enumerate(module.imported("func")):
+        syscall = SYSCALLS.get(entry.name) if entry.module == WASI_MODULE else None
+        signature = module.types[entry.desc]
+        if syscall is not None and (signature.params, signature.results) == syscall[1:]:
+            host_calls[index] = syscall[0]
+        else:
+            unsupported[index] = f"imported function {entry.module}.{entry.name}"
     for offset, function in enumerate(module.functions):
         index = imported + offset
         signature = module.types[function.type_index]
         start, call_start = len(code), len(calls)
         lowering = _FunctionLowering(module, function_types, signature.params, function.local_types,
-                                     signature.results, code, calls)
+                                     signature.results, code, calls, host_calls)
         try:
             frame_size = lowering.lower(function.body)
         except Unsupported as error:

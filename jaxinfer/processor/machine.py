@@ -237,14 +237,16 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     value = (jnp.where(op == Op.MGROW, grow[0], value[0]), value[1])
     write_index = jnp.where(op == Op.GSET, record.dst, fp + record.dst)
     write_index = jnp.where(commit & (record.dst != NO_WRITE), write_index, shape.registers)
-    register_write = (write_index, jnp.stack(value, axis=-1))
 
     pc, new_fp, depth, finished = _next_pc(state, record, x)
+    status = jnp.where(commit & finished, Status.DONE, state.status)
+    status = jnp.where(commit & (op == Op.HOSTCALL), Status.SYSCALL, status)  # the host serves it
+    write_index = jnp.where(op == Op.HOSTCALL, shape.registers, write_index)
     return MachineState(
         pc=jnp.where(commit, pc, state.pc),
         fp=jnp.where(commit, new_fp, state.fp),
         depth=jnp.where(commit, depth, state.depth),
-        status=jnp.where(trapped, Status.TRAPPED, jnp.where(commit & finished, Status.DONE, state.status)),
+        status=jnp.where(trapped, Status.TRAPPED, status),
         trap=jnp.where(trapped, trap, state.trap),
         fuel=jnp.where(commit, state.fuel - record.cost, state.fuel),
         executed=jnp.where(commit, state.executed + record.cost, state.executed),
@@ -252,7 +254,7 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
         max_pages=state.max_pages,
         registers=state.registers,
         memory=state.memory,
-    ), _Pending(*register_write, *memory_write)
+    ), _Pending(write_index, jnp.stack(value, axis=-1), *memory_write)
 
 
 def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
@@ -307,6 +309,7 @@ def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
     taken = ((op == Op.BR_IF) & (x[0] != 0)) | ((op == Op.BR_UNLESS) & (x[0] == 0)) | (op == Op.BR) | (op == Op.CALL)
     table_target = pc + 1 + jnp.minimum(x[0], alu.as_unsigned(record.imm2)).astype(jnp.int32)
     next_pc = jnp.where(taken, record.imm, jnp.where(op == Op.BR_TABLE, table_target, pc + 1))
+    next_pc = jnp.where(op == Op.HOSTCALL, pc, next_pc)  # the host moves past it when it resumes the slot
     returning = op == Op.RETURN
     next_pc = jnp.where(returning, alu.as_signed(x[0]), next_pc)
     fp = jnp.where(op == Op.CALL, state.fp + record.b, jnp.where(returning, alu.as_signed(x[1]), state.fp))

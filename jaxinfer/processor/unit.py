@@ -65,11 +65,15 @@ def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
     return state, report(state)
 
 
-def _load(state: machine.MachineState, code: jax.Array, slot: jax.Array, image_code, registers, memory, scalars):
+def _write_slot(state: machine.MachineState, slot: jax.Array, registers, memory, scalars) -> machine.MachineState:
     fields = {name: getattr(state, name).at[slot].set(scalars[index])
               for index, name in enumerate(machine.MachineState._fields[:9])}
     return machine.MachineState(**fields, registers=state.registers.at[slot].set(registers),
-                                memory=state.memory.at[slot].set(memory)), code.at[slot].set(image_code)
+                                memory=state.memory.at[slot].set(memory))
+
+
+def _load(state: machine.MachineState, code: jax.Array, slot: jax.Array, image_code, registers, memory, scalars):
+    return _write_slot(state, slot, registers, memory, scalars), code.at[slot].set(image_code)
 
 
 def _stop(state: machine.MachineState, slot: jax.Array) -> machine.MachineState:
@@ -82,6 +86,7 @@ class ExecUnit:
         self.state = jax.device_put(machine.empty_state(shape), sharding)
         self.code = jax.device_put(jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32), sharding)
         self._load = jax.jit(_load, donate_argnums=(0, 1))
+        self._write = jax.jit(_write_slot, donate_argnums=(0,))
         self._alone = jax.jit(functools.partial(advance_in_step, steps=steps_per_step * ALONE_FACTOR, shape=shape),
                               donate_argnums=(0,))
         self._stop = jax.jit(_stop, donate_argnums=(0,))
@@ -116,6 +121,15 @@ class ExecUnit:
         self.state, self.code = self._load(self.state, self.code, np.int32(slot), image.code, image.registers,
                                            image.memory, image.scalars)
 
+    def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A slot's scalars, registers and memory on the host (to serve its system call)."""
+        scalars = np.array([int(getattr(self.state, name)[slot]) for name in machine.MachineState._fields[:9]],
+                           np.int32)
+        return scalars, np.array(self.state.registers[slot]), np.array(self.state.memory[slot])
+
+    def resume(self, slot: int, scalars: np.ndarray, registers: np.ndarray, memory: np.ndarray) -> None:
+        self.state = self._write(self.state, np.int32(slot), registers, memory, scalars)
+
     def run_alone(self) -> ExecReport:
         """Advances the slots without a model step (nothing else to compute); returns the report."""
         self.state, exec_report = self._alone(self.state, self.code)
@@ -127,6 +141,7 @@ class ExecUnit:
         idle = SlotImage(np.zeros((shape.code_length, 8), np.int32), np.zeros((shape.registers + 1, 2), np.uint32),
                          np.zeros(shape.memory_bytes + 8, np.uint8), np.zeros(9, np.int32), "")
         self.load(0, idle)
+        self.resume(0, *self.read(0))
         self.stop(0)
         jax.block_until_ready(self.run_alone())
 

@@ -1,0 +1,229 @@
+"""The WASI preview1 subset: stdout/stderr capture and a tenant's files as preopened descriptors.
+
+A call to an imported ``wasi_snapshot_preview1`` function is a HOSTCALL record: the slot stops with
+status SYSCALL, the host serves the call here against a copy of the slot's memory, and the slot
+resumes (one host round trip per system call, none per instruction).
+
+Files: a request maps paths of its tenant's own namespace (``<root>/<tenant>/<path>``) to
+descriptors 3, 4, ... in order. A path must be relative, without ``..``, and must not leave the
+tenant's folder through a symbolic link. Writes go to a staged copy; the staged files replace the
+real ones atomically (a temporary file, then ``os.replace``) only when the program halts
+normally, so a trap leaves every file as it was. Growing a tenant's files past its byte quota is a
+trap.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+WASI_MODULE = "wasi_snapshot_preview1"
+# name -> (syscall number, params, results)
+SYSCALLS: dict[str, tuple[int, str, str]] = {
+    "fd_write": (1, "iiii", "i"),
+    "fd_read": (2, "iiii", "i"),
+    "fd_seek": (3, "iIii", "i"),
+    "fd_close": (4, "i", "i"),
+    "proc_exit": (5, "i", ""),
+}
+SYSCALL_NAMES = {number: name for name, (number, _, _) in SYSCALLS.items()}
+
+ERRNO_SUCCESS, ERRNO_BADF, ERRNO_INVAL, ERRNO_FAULT, ERRNO_SPIPE = 0, 8, 28, 21, 70
+STDIN, STDOUT, STDERR, FIRST_FILE = 0, 1, 2, 3
+MAX_CAPTURE = 1 << 20  # bytes of stdout/stderr kept per program
+
+
+class FileAccessError(ValueError):
+    """A mapped path is not allowed (names the path and the rule)."""
+
+
+class QuotaExceeded(Exception):
+    """Staged writes would take the tenant past its byte quota (a trap)."""
+
+
+class ProcessExit(Exception):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"exit code {code}")
+        self.code = code
+
+
+@dataclass
+class MappedFile:
+    path: Path
+    data: bytearray
+    position: int = 0
+    dirty: bool = False
+    closed: bool = False
+
+
+@dataclass
+class FileMapping:
+    """A tenant's namespace under ``root``, the paths a request maps, and the tenant's quota."""
+
+    root: Path
+    tenant: str
+    paths: tuple[str, ...] = ()
+    quota_bytes: int = 1 << 20
+
+    @property
+    def folder(self) -> Path:
+        return self.root / self.tenant
+
+    def resolve(self, relative: str) -> Path:
+        """The file for ``relative``, refusing absolute paths, ``..`` and links out of the tenant's folder."""
+        if not self.tenant or "/" in self.tenant or self.tenant in (".", ".."):
+            raise FileAccessError(f"tenant {self.tenant!r}: not a valid namespace name")
+        candidate = Path(relative)
+        if not relative or candidate.is_absolute() or ".." in candidate.parts:
+            raise FileAccessError(f"exec_files: {relative!r} must be a relative path without '..'")
+        folder = self.folder.resolve()
+        target = (folder / candidate).resolve()
+        if folder not in target.parents:
+            raise FileAccessError(f"exec_files: {relative!r} leaves the tenant's folder")
+        return target
+
+    def used_bytes(self) -> int:
+        folder = self.folder
+        if not folder.exists():
+            return 0
+        return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
+
+
+@dataclass
+class Syscalls:
+    """One program's system calls: captured output and its mapped files (staged until commit)."""
+
+    mapping: FileMapping | None = None
+    stdout: bytearray = field(default_factory=bytearray)
+    stderr: bytearray = field(default_factory=bytearray)
+    files: dict[int, MappedFile] = field(default_factory=dict)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        for index, relative in enumerate(self.mapping.paths if self.mapping else ()):
+            path = self.mapping.resolve(relative)
+            data = bytearray(path.read_bytes()) if path.is_file() else bytearray()
+            self.files[FIRST_FILE + index] = MappedFile(path, data)
+
+    def call(self, number: int, args: list[int], memory: np.ndarray) -> int:
+        """Serves one call; ``memory`` is the slot's linear memory (updated in place). Returns the errno."""
+        self.calls += 1
+        name = SYSCALL_NAMES[number]
+        return getattr(self, name)(memory, *args)
+
+    # -- the calls ----------------------------------------------------------------------------
+
+    def fd_write(self, memory: np.ndarray, fd: int, iovs: int, count: int, written_at: int) -> int:
+        chunks = _gather(memory, iovs, count)
+        if chunks is None:
+            return ERRNO_FAULT
+        data = b"".join(chunks)
+        if fd in (STDOUT, STDERR):
+            sink = self.stdout if fd == STDOUT else self.stderr
+            sink += data[: max(0, MAX_CAPTURE - len(sink))]
+        else:
+            handle = self._open(fd)
+            if handle is None:
+                return ERRNO_BADF
+            end = handle.position + len(data)
+            growth = max(0, end - len(handle.data))
+            if growth and self._staged_bytes() + growth + self._committed_elsewhere() > self.mapping.quota_bytes:
+                raise QuotaExceeded(f"tenant quota of {self.mapping.quota_bytes} bytes exceeded")
+            handle.data[handle.position : end] = data
+            handle.position, handle.dirty = end, True
+        return _store_u32(memory, written_at, len(data))
+
+    def fd_read(self, memory: np.ndarray, fd: int, iovs: int, count: int, read_at: int) -> int:
+        handle = self._open(fd) if fd >= FIRST_FILE else None
+        if fd == STDIN:
+            return _store_u32(memory, read_at, 0)
+        if handle is None:
+            return ERRNO_BADF
+        total = 0
+        for buffer, length in _vectors(memory, iovs, count) or []:
+            chunk = handle.data[handle.position : handle.position + length]
+            if buffer + len(chunk) > memory.size - 8:
+                return ERRNO_FAULT
+            memory[buffer : buffer + len(chunk)] = np.frombuffer(bytes(chunk), np.uint8)
+            handle.position += len(chunk)
+            total += len(chunk)
+        return _store_u32(memory, read_at, total)
+
+    def fd_seek(self, memory: np.ndarray, fd: int, offset: int, whence: int, position_at: int) -> int:
+        if fd in (STDIN, STDOUT, STDERR):
+            return ERRNO_SPIPE
+        handle = self._open(fd)
+        if handle is None:
+            return ERRNO_BADF
+        offset = offset - (1 << 64) if offset >= 1 << 63 else offset
+        base = {0: 0, 1: handle.position, 2: len(handle.data)}.get(whence)
+        if base is None or base + offset < 0:
+            return ERRNO_INVAL
+        handle.position = base + offset
+        if position_at + 8 > memory.size - 8:
+            return ERRNO_FAULT
+        memory[position_at : position_at + 8] = np.frombuffer(struct.pack("<Q", handle.position), np.uint8)
+        return ERRNO_SUCCESS
+
+    def fd_close(self, memory: np.ndarray, fd: int) -> int:
+        handle = self._open(fd)
+        if handle is None:
+            return ERRNO_BADF
+        handle.closed = True
+        return ERRNO_SUCCESS
+
+    def proc_exit(self, memory: np.ndarray, code: int) -> int:
+        raise ProcessExit(code)
+
+    # -- files ---------------------------------------------------------------------------------
+
+    def _open(self, fd: int) -> MappedFile | None:
+        handle = self.files.get(fd)
+        return handle if handle is not None and not handle.closed else None
+
+    def _staged_bytes(self) -> int:
+        return sum(len(handle.data) for handle in self.files.values())
+
+    def _committed_elsewhere(self) -> int:
+        """Bytes of the tenant's files that this program did not map (they count for the quota)."""
+        mapped = sum(handle.path.stat().st_size for handle in self.files.values() if handle.path.is_file())
+        return self.mapping.used_bytes() - mapped
+
+    def commit(self) -> dict[str, bytes]:
+        """Writes every changed file atomically; returns them by mapped path."""
+        written: dict[str, bytes] = {}
+        for fd, handle in self.files.items():
+            if not handle.dirty:
+                continue
+            handle.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=handle.path.parent, delete=False, prefix=".staged-") as staged:
+                staged.write(handle.data)
+            os.replace(staged.name, handle.path)
+            written[self.mapping.paths[fd - FIRST_FILE]] = bytes(handle.data)
+        return written
+
+
+def _vectors(memory: np.ndarray, iovs: int, count: int) -> list[tuple[int, int]] | None:
+    if count > 1024 or iovs + 8 * count > memory.size - 8:
+        return None
+    raw = memory[iovs : iovs + 8 * count].tobytes()
+    return [struct.unpack_from("<II", raw, 8 * index) for index in range(count)]
+
+
+def _gather(memory: np.ndarray, iovs: int, count: int) -> list[bytes] | None:
+    vectors = _vectors(memory, iovs, count)
+    if vectors is None or any(buffer + length > memory.size - 8 for buffer, length in vectors):
+        return None
+    return [memory[buffer : buffer + length].tobytes() for buffer, length in vectors]
+
+
+def _store_u32(memory: np.ndarray, address: int, value: int) -> int:
+    if address + 4 > memory.size - 8:
+        return ERRNO_FAULT
+    memory[address : address + 4] = np.frombuffer(struct.pack("<I", value), np.uint8)
+    return ERRNO_SUCCESS

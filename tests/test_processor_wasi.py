@@ -1,0 +1,124 @@
+"""The WASI subset: captured stdout, a tenant's files as descriptors, atomic commit, quota, path rules.
+
+Real files in a temporary folder; programs run on the jitted machine and stop at each system call,
+which the host serves (jaxinfer/processor/wasi.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.processor import Unsupported, run
+from jaxinfer.processor.wasi import FileAccessError, FileMapping
+
+IMPORTS = """
+ (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
+ (import "wasi_snapshot_preview1" "fd_read" (func $read (param i32 i32 i32 i32) (result i32)))
+ (import "wasi_snapshot_preview1" "fd_seek" (func $seek (param i32 i64 i32 i32) (result i32)))
+ (import "wasi_snapshot_preview1" "fd_close" (func $close (param i32) (result i32)))
+ (import "wasi_snapshot_preview1" "proc_exit" (func $exit (param i32)))
+ (memory 1)
+ ;; write(fd, address, length): one iovec at 0, bytes written at 8; returns the errno
+ (func $put (param $fd i32) (param $at i32) (param $n i32) (result i32)
+   (i32.store (i32.const 0) (local.get $at)) (i32.store (i32.const 4) (local.get $n))
+   (call $write (local.get $fd) (i32.const 0) (i32.const 1) (i32.const 8)))
+ ;; read(fd, address, length): bytes read
+ (func $get (param $fd i32) (param $at i32) (param $n i32) (result i32)
+   (i32.store (i32.const 0) (local.get $at)) (i32.store (i32.const 4) (local.get $n))
+   (drop (call $read (local.get $fd) (i32.const 0) (i32.const 1) (i32.const 8))) (i32.load (i32.const 8)))
+"""
+
+
+def program(body: str, data: str = "", result: str = "(result i32)") -> str:
+    return f'(module {IMPORTS} {data} (func (export "main") {result} {body}))'
+
+
+@pytest.fixture()
+def root(tmp_path: Path) -> Path:
+    for tenant, text in (("acme", b"acme secret"), ("globex", b"globex secret")):
+        (tmp_path / tenant).mkdir()
+        (tmp_path / tenant / "secret.txt").write_bytes(text)
+    return tmp_path
+
+
+def mapping(root: Path, tenant: str, *paths: str, quota: int = 1 << 20) -> FileMapping:
+    return FileMapping(root, tenant, paths, quota)
+
+
+def test_stdout_and_stderr_are_captured() -> None:
+    hello = program('(drop (call $put (i32.const 1) (i32.const 64) (i32.const 6))) '
+                    '(call $put (i32.const 2) (i32.const 64) (i32.const 3))', '(data (i32.const 64) "hello\\n")')
+    result = run(hello)
+    assert result.stdout == b"hello\n" and result.values == [0]
+
+
+def test_a_tenant_reads_only_its_own_file(root: Path) -> None:
+    body = "(drop (call $get (i32.const 3) (i32.const 100) (i32.const 64))) " \
+           "(call $put (i32.const 1) (i32.const 100) (i32.load (i32.const 8)))"
+    assert run(program(body), files=mapping(root, "acme", "secret.txt")).stdout == b"acme secret"
+    assert run(program(body), files=mapping(root, "globex", "secret.txt")).stdout == b"globex secret"
+
+
+def test_writes_commit_on_halt_and_only_then(root: Path) -> None:
+    data = '(data (i32.const 64) "new text")'
+    write = "(call $put (i32.const 3) (i32.const 64) (i32.const 8))"
+    result = run(program(write, data), files=mapping(root, "acme", "out/new.txt"))
+    assert result.files_written == {"out/new.txt": b"new text"}
+    assert (root / "acme" / "out" / "new.txt").read_bytes() == b"new text"
+    trapped = run(program(f"(drop {write}) unreachable", data), files=mapping(root, "acme", "secret.txt"))
+    assert trapped.trap == "unreachable" and trapped.files_written == {}
+    assert (root / "acme" / "secret.txt").read_bytes() == b"acme secret"
+    assert not [p for p in (root / "acme").rglob("*") if p.name.startswith(".staged")]
+
+
+def test_proc_exit(root: Path) -> None:
+    data = '(data (i32.const 64) "x")'
+    write = "(drop (call $put (i32.const 3) (i32.const 64) (i32.const 1)))"
+    ok = run(program(f"{write} (call $exit (i32.const 0))", data, ""), files=mapping(root, "acme", "a.txt"))
+    assert ok.trap is None and ok.files_written == {"a.txt": b"x"}
+    failed = run(program(f"{write} (call $exit (i32.const 3))", data, ""), files=mapping(root, "acme", "b.txt"))
+    assert failed.trap == "exit code 3" and not (root / "acme" / "b.txt").exists()
+
+
+def test_quota_is_a_trap_and_leaves_files_alone(root: Path) -> None:
+    body = "(call $put (i32.const 3) (i32.const 0) (i32.const 4096))"
+    result = run(program(body), files=mapping(root, "acme", "big.bin", quota=2048))
+    assert result.trap == "file quota exceeded"
+    assert not (root / "acme" / "big.bin").exists()
+    assert run(program(body), files=mapping(root, "acme", "big.bin", quota=8192)).trap is None
+
+
+def test_seek_close_and_bad_descriptors(root: Path) -> None:
+    body = """(drop (call $seek (i32.const 3) (i64.const 5) (i32.const 0) (i32.const 16)))
+      (drop (call $get (i32.const 3) (i32.const 100) (i32.const 64)))
+      (drop (call $put (i32.const 1) (i32.const 100) (i32.load (i32.const 8))))
+      (drop (call $close (i32.const 3)))
+      (i32.add (i32.mul (call $close (i32.const 3)) (i32.const 1000)) (call $put (i32.const 9) (i32.const 0)
+        (i32.const 1)))"""
+    result = run(program(body), files=mapping(root, "acme", "secret.txt"))
+    assert result.stdout == b"secret"
+    assert result.values == [8 * 1000 + 8]  # EBADF after close, and for a descriptor never mapped
+
+
+@pytest.mark.parametrize("path", ["../globex/secret.txt", "/etc/passwd", "", "a/../../x"])
+def test_paths_outside_the_namespace_are_refused(root: Path, path: str) -> None:
+    with pytest.raises(FileAccessError):
+        mapping(root, "acme", path).resolve(path)
+
+
+def test_symlinks_out_of_the_namespace_are_refused(root: Path) -> None:
+    os.symlink(root / "globex" / "secret.txt", root / "acme" / "link.txt")
+    with pytest.raises(FileAccessError, match="leaves"):
+        run(program("(i32.const 0)"), files=mapping(root, "acme", "link.txt"))
+
+
+def test_other_imports_are_unsupported_and_named() -> None:
+    module = """(module (import "wasi_snapshot_preview1" "path_open"
+      (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+      (func (export "main") (result i32) (call $open (i32.const 0) (i32.const 0) (i32.const 0) (i32.const 0)
+        (i32.const 0) (i64.const 0) (i64.const 0) (i32.const 0) (i32.const 0))))"""
+    with pytest.raises(Unsupported, match="path_open"):
+        run(module)
