@@ -183,6 +183,8 @@ class EngineConfig:
     exec_max_call_depth: int = 256
     exec_files_root: str = ""  # programs may map files of <root>/<tenant>/ as WASI descriptors ("": no files)
     exec_quota_bytes: int = 1 << 20  # a tenant's files may not grow past this (a trap)
+    exec_session_bytes: int = 64 << 20  # memory kept between turns (exec_session), least recently used first out
+    exec_session_ttl_seconds: float = 3600.0
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True

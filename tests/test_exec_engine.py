@@ -231,3 +231,19 @@ def test_file_mapping_errors_name_the_field(exec_llm: LLM, smollm2_llm: LLM) -> 
         exec_llm.generate([exec_prompt(COPY_AND_PRINT)], greedy(exec=True, exec_files=("../x",)))
     with pytest.raises(RequestError, match="exec_files_root"):
         smollm2_llm.generate(["hi"], greedy(exec_files=("a.txt",)))
+
+
+STORE_TURN = '(module (memory 1) (func (export "main") (result i32) (i32.store (i32.const 64) (i32.const 1234)) ' \
+             '(i32.const 1)))'
+LOAD_TURN = '(module (memory 1) (func (export "main") (result i32) (i32.load (i32.const 64))))'
+
+
+def test_session_memory_carries_to_the_next_turn_for_the_same_tenant_only(exec_llm: LLM) -> None:
+    def turn(program: str, tenant: str, session: str) -> str:
+        request = exec_llm.request(exec_prompt(program), greedy(max_tokens=4, exec=True, exec_session=session))
+        return exec_llm.engine.generate([dataclasses.replace(request, tenant=tenant)])[0].text
+
+    assert turn(STORE_TURN, "acme", "chat-1").startswith("<|result|>1<|/result|>")
+    assert turn(LOAD_TURN, "acme", "chat-1").startswith("<|result|>1234<|/result|>")
+    assert turn(LOAD_TURN, "globex", "chat-1").startswith("<|result|>0<|/result|>")
+    assert turn(LOAD_TURN, "acme", "chat-2").startswith("<|result|>0<|/result|>")

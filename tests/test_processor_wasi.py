@@ -122,3 +122,21 @@ def test_other_imports_are_unsupported_and_named() -> None:
         (i32.const 0) (i64.const 0) (i64.const 0) (i32.const 0) (i32.const 0))))"""
     with pytest.raises(Unsupported, match="path_open"):
         run(module)
+
+
+def test_session_memory_lru_ttl_and_tenant_keys() -> None:
+    import numpy as np
+
+    from jaxinfer.processor.sessions import SessionMemory
+
+    now = [0.0]
+    cache = SessionMemory(capacity_bytes=2 * 65536, ttl_seconds=10.0, clock=lambda: now[0])
+    page = np.zeros(65536 + 8, np.uint8)
+    cache.put("acme", "s1", page, 1)
+    cache.put("globex", "s1", page, 1)
+    assert cache.get("acme", "s1") is not None  # acme's is now the most recently used
+    cache.put("acme", "s2", page, 1)  # over capacity: globex's (least recently used) goes
+    assert cache.get("globex", "s1") is None and cache.evictions == 1
+    now[0] = 11.0
+    assert cache.get("acme", "s1") is None and len(cache) == 1  # expired
+    assert cache.bytes == 65536

@@ -41,6 +41,7 @@ from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
 from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.processor.protocol import CONTROL_TOKENS, ExecTokens
+from jaxinfer.processor.sessions import SessionMemory
 from jaxinfer.processor.wasi import FileAccessError, FileMapping
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
@@ -103,7 +104,8 @@ class Engine:
         if missing:
             raise ValueError(f"the tokenizer lacks the exec control tokens {missing} (add_control_tokens)")
         return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg.exec_max_instructions,
-                        self.cfg.exec_timeout_seconds, self._append_forced, self._file_mapping)
+                        self.cfg.exec_timeout_seconds, self._append_forced, self._file_mapping,
+                        SessionMemory(self.cfg.exec_session_bytes, self.cfg.exec_session_ttl_seconds))
 
     def _file_mapping(self, seq: Sequence) -> FileMapping | None:
         """The files a request's programs see: its tenant's namespace under engine.exec_files_root."""

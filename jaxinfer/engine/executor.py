@@ -24,6 +24,7 @@ from jaxinfer.processor.instance import compile_module, serve_host_call
 from jaxinfer.processor.isa import Status, Trap
 from jaxinfer.processor.lower import Unsupported
 from jaxinfer.processor.protocol import ExecTokens, module_hash, program_ids, result_text
+from jaxinfer.processor.sessions import SessionMemory
 from jaxinfer.processor.unit import ExecReport, ExecUnit, SlotImage
 from jaxinfer.processor.validate import InvalidModule
 from jaxinfer.processor.wasi import FileMapping, Syscalls
@@ -49,8 +50,10 @@ class _Run:
 class Executor:
     def __init__(self, unit: ExecUnit, tokens: ExecTokens, tokenizer: Tokenizer, max_instructions: int,
                  timeout_seconds: float, append_forced: Callable[[Sequence, list[int]], None],
-                 files: Callable[[Sequence], FileMapping | None] = lambda seq: None) -> None:
+                 files: Callable[[Sequence], FileMapping | None] = lambda seq: None,
+                 sessions: SessionMemory | None = None) -> None:
         self.unit, self.tokens, self.tokenizer = unit, tokens, tokenizer
+        self.sessions = sessions or SessionMemory(64 << 20, 3600.0)
         self.files = files  # the request's file mapping (tenant namespace), or None
         self.max_instructions, self.timeout_seconds = max_instructions, timeout_seconds
         self.append_forced = append_forced
@@ -88,8 +91,11 @@ class Executor:
     def _start(self, seq: Sequence, steps_launched: int) -> None:
         source = seq.exec_source
         limit = min(seq.params.exec_max_instructions or self.max_instructions, self.max_instructions)
+        session = self._session_key(seq)
+        snapshot = self.sessions.get(*session) if session else None
         try:
-            image = self.unit.prepare(compile_module(source), limit)
+            image = self.unit.prepare(compile_module(source), limit,
+                                      (snapshot.memory, snapshot.pages) if snapshot else None)
             syscalls = Syscalls(self.files(seq))
         except (MalformedModule, InvalidModule, Unsupported, ValueError, OSError) as error:
             kind = "unsupported: needs " if isinstance(error, Unsupported) else ""
@@ -133,12 +139,28 @@ class Executor:
             self._write_back(run.seq, run.source_hash, message, True, instructions, now - run.started)
         else:
             files = run.syscalls.commit()
+            session = self._session_key(run.seq)
+            if session is not None:
+                self.sessions.put(*session, memory, int(scalars[7]))
             text = result_text([], "", bytes(run.syscalls.stdout))
             self._write_back(run.seq, run.source_hash, text, False, instructions, now - run.started, files)
         return True
 
+    def _session_key(self, seq: Sequence) -> tuple[str, str] | None:
+        session = seq.params.exec_session
+        return (seq.request.tenant or DEFAULT_TENANT, session) if session else None
+
+    def _keep_memory(self, slot: int, seq: Sequence) -> None:
+        """A session's program halted normally: its memory is the next turn's starting memory."""
+        session = self._session_key(seq)
+        if session is not None:
+            scalars, _, memory = self.unit.read(slot)
+            self.sessions.put(*session, memory, int(scalars[7]))
+
     def _halted(self, slot: int, run: _Run, report: ExecReport, status: int, now: float) -> None:
         instructions = int(report.executed[slot])
+        if status == Status.DONE:
+            self._keep_memory(slot, run.seq)
         self._release(slot)
         if status == Status.TRAPPED:
             message = Trap(int(report.trap[slot])).message

@@ -107,17 +107,29 @@ def initial_globals(program: Program) -> np.ndarray:
     return np.array([[value & 0xFFFFFFFF, value >> 32] for value in program.global_inits], np.uint32).reshape(-1, 2)
 
 
-def initial_memory(program: Program, memory_pages: int, capacity_pages: int) -> tuple[np.ndarray, int, int]:
-    """Linear memory with the data segments written (plus 8 padding bytes), its size and its maximum."""
+def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
+                   base: tuple[bytes, int] | None = None) -> tuple[np.ndarray, int, int]:
+    """Linear memory with the data segments written (plus 8 padding bytes), its size and its maximum.
+
+    ``base`` (memory bytes, pages) is a previous turn's memory to start from (see sessions.py)."""
     minimum, maximum = program.memory or (0, 0)
+    limit = min(memory_pages, 65536 if maximum is None else maximum)
+    if base is not None:
+        if not program.memory:
+            raise Unsupported("a memory to take the session's memory")
+        if base[1] > limit:
+            raise Unsupported(f"the session's memory of {base[1]} pages is over this module's limit of {limit}")
+        minimum = max(minimum, base[1])
     if minimum > memory_pages:
         raise Unsupported(f"memory of {minimum} pages is over the limit memory_pages={memory_pages}")
     memory = np.zeros(capacity_pages * machine.PAGE_BYTES + 8, np.uint8)
+    if base is not None:
+        memory[: len(base[0])] = np.frombuffer(base[0], np.uint8)
     for offset, payload in program.data:
         if offset + len(payload) > minimum * machine.PAGE_BYTES:
             raise Unsupported("data segment does not fit in memory")
         memory[offset : offset + len(payload)] = np.frombuffer(payload, np.uint8)
-    return memory, minimum, min(memory_pages, 65536 if maximum is None else maximum)
+    return memory, minimum, limit
 
 
 def code_image(program: Program, code_length: int) -> np.ndarray:

@@ -96,8 +96,10 @@ class ExecUnit:
     def step_function(self):
         return functools.partial(advance_in_step, steps=self.steps, shape=self.shape)
 
-    def prepare(self, compiled: CompiledModule, max_instructions: int) -> SlotImage:
-        """The slot image for the module's entry point; raises Unsupported when it cannot run here."""
+    def prepare(self, compiled: CompiledModule, max_instructions: int,
+                memory: tuple[bytes, int] | None = None) -> SlotImage:
+        """The slot image for the module's entry point, starting from ``memory`` (bytes, pages) when
+        given; raises Unsupported when it cannot run here."""
         program = compiled.program
         entry = next((name for name in ENTRY_POINTS if program.exports.get(name, ("",))[0] == "func"), None)
         if entry is None:
@@ -111,7 +113,7 @@ class ExecUnit:
         if code.params or len(code.results) > RESULT_REGISTERS:
             raise Unsupported(f"{entry} with parameters or more than {RESULT_REGISTERS} results")
         globals_ = initial_globals(program)
-        memory, pages, max_pages = initial_memory(program, self.shape.memory_pages, self.shape.memory_pages)
+        memory, pages, max_pages = initial_memory(program, self.shape.memory_pages, self.shape.memory_pages, memory)
         scalars = np.array([code.entry, len(globals_), 0, Status.RUNNING, Trap.NONE, max_instructions, 0, pages,
                             max_pages], np.int32)
         registers = initial_registers(globals_, code, [], self.shape.registers)
