@@ -185,6 +185,8 @@ class EngineConfig:
     exec_quota_bytes: int = 1 << 20  # a tenant's files may not grow past this (a trap)
     exec_session_bytes: int = 64 << 20  # memory kept between turns (exec_session), least recently used first out
     exec_session_ttl_seconds: float = 3600.0
+    exec_trace_entries: int = 256  # instructions traced per program (for the audit log and exec_trace=full; 0: off)
+    exec_max_trace_tokens: int = 256  # trace text a request's context may receive
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True
@@ -225,7 +227,7 @@ class EngineConfig:
         from jaxinfer.processor.machine import MachineShape
 
         return MachineShape(self.exec_slots, self.exec_code_records, self.exec_registers, self.exec_memory_pages,
-                            self.exec_max_call_depth)
+                            self.exec_max_call_depth, self.exec_trace_entries)
 
     @property
     def max_tokens_per_step(self) -> int:

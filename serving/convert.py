@@ -22,7 +22,8 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
             values[name] = getattr(proto, name)
     return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
                           ignore_eos=proto.ignore_eos, logprobs=proto.logprobs, exec=proto.exec,
-                          exec_files=tuple(proto.exec_files), exec_session=proto.exec_session)
+                          exec_files=tuple(proto.exec_files), exec_session=proto.exec_session,
+                          exec_trace=proto.exec_trace or "none")
 
 
 def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
@@ -30,4 +31,5 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(**{name: getattr(params, name) for name in OPTIONAL}, stop=list(params.stop),
                              stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                              logprobs=params.logprobs, exec=params.exec,
-                             exec_files=list(params.exec_files), exec_session=params.exec_session)
+                             exec_files=list(params.exec_files), exec_session=params.exec_session,
+                             exec_trace=params.exec_trace)

@@ -247,3 +247,25 @@ def test_session_memory_carries_to_the_next_turn_for_the_same_tenant_only(exec_l
     assert turn(LOAD_TURN, "acme", "chat-1").startswith("<|result|>1234<|/result|>")
     assert turn(LOAD_TURN, "globex", "chat-1").startswith("<|result|>0<|/result|>")
     assert turn(LOAD_TURN, "acme", "chat-2").startswith("<|result|>0<|/result|>")
+
+
+COUNT_TO_THREE = '(module (func (export "main") (result i32) (local i32) (block (loop (br_if 1 (i32.ge_u ' \
+                 '(local.get 0) (i32.const 3))) (local.set 0 (i32.add (local.get 0) (i32.const 1))) (br 0))) ' \
+                 '(local.get 0)))'
+
+
+def test_trace_summary_and_full_enter_the_context(exec_llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
+    import json
+
+    with caplog.at_level("INFO", logger="jaxinfer.audit"):
+        summary, full, none = exec_llm.generate([exec_prompt(COUNT_TO_THREE)] * 3, [
+            greedy(max_tokens=40, exec=True, exec_trace="summary"),
+            greedy(max_tokens=200, exec=True, exec_trace="full"),
+            greedy(max_tokens=6, exec=True)])
+    assert summary.text.startswith("<|result|>3\n[trace] 32 instructions, 4 branches taken<|/result|>")
+    lines = full.text.split("<|/result|>")[0].splitlines()
+    assert lines[0] == "<|result|>3" and len(lines) == 1 + 32
+    assert lines[1].split() == ["1", "mov", "0"] and lines[-1].split()[1:] == ["mov", "3"]  # local.get 0
+    assert none.text.startswith("<|result|>3<|/result|>")
+    records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "jaxinfer.audit"]
+    assert all(len(r["trace"]) == 32 and r["branches"] == 4 for r in records if r.get("event") == "exec")

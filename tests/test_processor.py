@@ -151,3 +151,12 @@ def test_invalid_and_malformed_modules_are_rejected_with_the_reason() -> None:
         compile_module("(module (func (i32.bogus)))")
     with pytest.raises(MalformedModule, match="magic header"):
         compile_module(b"\x00wasm\x01\x00\x00\x00")
+
+
+def test_trace_rows_and_branches() -> None:
+    loop = _main("(local i32) (block (loop (br_if 1 (i32.ge_u (local.get 0) (i32.const 2))) "
+                 "(local.set 0 (i32.add (local.get 0) (i32.const 1))) (br 0))) (local.get 0)")
+    traced = run(loop, trace_entries=8)
+    assert traced.values == [2] and traced.branches == 3 and len(traced.trace) == 8
+    assert [line.split()[1] for line in traced.trace[:5]] == ["mov", "const", "i32_ge_u", "br_if", "mov"]
+    assert run(loop).trace == [] and run(loop).branches == 3

@@ -105,7 +105,8 @@ class Engine:
             raise ValueError(f"the tokenizer lacks the exec control tokens {missing} (add_control_tokens)")
         return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg.exec_max_instructions,
                         self.cfg.exec_timeout_seconds, self._append_forced, self._file_mapping,
-                        SessionMemory(self.cfg.exec_session_bytes, self.cfg.exec_session_ttl_seconds))
+                        SessionMemory(self.cfg.exec_session_bytes, self.cfg.exec_session_ttl_seconds),
+                        self.cfg.exec_max_trace_tokens)
 
     def _file_mapping(self, seq: Sequence) -> FileMapping | None:
         """The files a request's programs see: its tenant's namespace under engine.exec_files_root."""
@@ -151,6 +152,8 @@ class Engine:
                                f"{MAX_BANNED} ids can be held back")
         if params.exec and self.executor is None:
             raise RequestError("exec: this engine runs no programs (engine.exec_slots is 0)")
+        if params.exec_trace == "full" and self.executor is not None and not self.cfg.exec_trace_entries:
+            raise RequestError("exec_trace: full needs engine.exec_trace_entries > 0")
         if params.exec and self.speculator is not None:
             raise RequestError("exec: not available with speculative decoding (engine.draft_model)")
         vocab = self.runner.model_cfg.vocab_size

@@ -18,11 +18,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.processor.binary import MalformedModule
-from jaxinfer.processor.instance import compile_module, serve_host_call
+from jaxinfer.processor.instance import compile_module, serve_host_call, trace_lines
 from jaxinfer.processor.isa import Status, Trap
 from jaxinfer.processor.lower import Unsupported
+from jaxinfer.processor.machine import SCALAR
 from jaxinfer.processor.protocol import ExecTokens, module_hash, program_ids, result_text
 from jaxinfer.processor.sessions import SessionMemory
 from jaxinfer.processor.unit import ExecReport, ExecUnit, SlotImage
@@ -51,7 +54,8 @@ class Executor:
     def __init__(self, unit: ExecUnit, tokens: ExecTokens, tokenizer: Tokenizer, max_instructions: int,
                  timeout_seconds: float, append_forced: Callable[[Sequence, list[int]], None],
                  files: Callable[[Sequence], FileMapping | None] = lambda seq: None,
-                 sessions: SessionMemory | None = None) -> None:
+                 sessions: SessionMemory | None = None, max_trace_tokens: int = 256) -> None:
+        self.max_trace_tokens = max_trace_tokens
         self.unit, self.tokens, self.tokenizer = unit, tokens, tokenizer
         self.sessions = sessions or SessionMemory(64 << 20, 3600.0)
         self.files = files  # the request's file mapping (tenant namespace), or None
@@ -95,11 +99,11 @@ class Executor:
         snapshot = self.sessions.get(*session) if session else None
         try:
             image = self.unit.prepare(compile_module(source), limit,
-                                      (snapshot.memory, snapshot.pages) if snapshot else None)
+                                      (snapshot.memory, snapshot.pages) if snapshot else None, trace=True)
             syscalls = Syscalls(self.files(seq))
         except (MalformedModule, InvalidModule, Unsupported, ValueError, OSError) as error:
             kind = "unsupported: needs " if isinstance(error, Unsupported) else ""
-            self._write_back(seq, module_hash(source), f"{kind}{error}", trap=True, instructions=0, seconds=0.0)
+            self._reject(seq, module_hash(source), f"{kind}{error}")
             return
         slot = self.unit.free.pop(0)
         self.unit.load(slot, image)
@@ -114,82 +118,104 @@ class Executor:
         for slot, run in list(self.runs.items()):
             if report is not None and step_number > run.loaded_after_step:
                 status = int(report.status[slot])
-                if status == Status.SYSCALL and self._serve(slot, run, steps_launched, now):
+                if status == Status.SYSCALL:
+                    self._serve(slot, run, steps_launched)
                     continue
-                if status in (Status.DONE, Status.TRAPPED):
-                    self._halted(slot, run, report, status, now)
+                if status == Status.TRAPPED:
+                    self._end(slot, Trap(int(report.trap[slot])).message)
+                    continue
+                if status == Status.DONE:
+                    types = run.image.result_types
+                    values = [int(low) | (int(high) << 32 if kind == "I" else 0)
+                              for (low, high), kind in zip(report.results[slot], types, strict=False)]
+                    self._end(slot, None, result_text(values, types, bytes(run.syscalls.stdout)))
                     continue
             if now - run.started > run.timeout:
-                self._release(slot)
-                self._write_back(run.seq, run.source_hash, Trap.TIMEOUT.message, trap=True, instructions=-1,
-                                 seconds=now - run.started)
+                self._end(slot, Trap.TIMEOUT.message)
 
-    def _serve(self, slot: int, run: _Run, steps_launched: int, now: float) -> bool:
-        """Serves the slot's system call on the host; True when the program goes on."""
+    def _serve(self, slot: int, run: _Run, steps_launched: int) -> None:
+        """Serves the slot's system call on the host: the program goes on, exits or traps."""
         scalars, registers, memory = self.unit.read(slot)
         outcome = serve_host_call(run.image.code, scalars, registers, memory, run.syscalls)
         if outcome.resume:
             self.unit.resume(slot, scalars, registers, memory)
             run.loaded_after_step = steps_launched  # reports of steps already launched still show SYSCALL
-            return True
-        self._release(slot)
-        instructions = int(scalars[6])
-        if outcome.trap is not None or outcome.exit_code:
-            message = outcome.trap or f"exit code {outcome.exit_code}"
-            self._write_back(run.seq, run.source_hash, message, True, instructions, now - run.started)
-        else:
-            files = run.syscalls.commit()
-            session = self._session_key(run.seq)
-            if session is not None:
-                self.sessions.put(*session, memory, int(scalars[7]))
-            text = result_text([], "", bytes(run.syscalls.stdout))
-            self._write_back(run.seq, run.source_hash, text, False, instructions, now - run.started, files)
-        return True
+        elif outcome.trap is not None or outcome.exit_code:
+            self._end(slot, outcome.trap or f"exit code {outcome.exit_code}")
+        else:  # proc_exit(0)
+            self._end(slot, None, result_text([], "", bytes(run.syscalls.stdout)), (scalars, memory))
 
     def _session_key(self, seq: Sequence) -> tuple[str, str] | None:
         session = seq.params.exec_session
         return (seq.request.tenant or DEFAULT_TENANT, session) if session else None
 
-    def _keep_memory(self, slot: int, seq: Sequence) -> None:
-        """A session's program halted normally: its memory is the next turn's starting memory."""
-        session = self._session_key(seq)
-        if session is not None:
-            scalars, _, memory = self.unit.read(slot)
-            self.sessions.put(*session, memory, int(scalars[7]))
-
-    def _halted(self, slot: int, run: _Run, report: ExecReport, status: int, now: float) -> None:
-        instructions = int(report.executed[slot])
-        if status == Status.DONE:
-            self._keep_memory(slot, run.seq)
+    def _end(self, slot: int, trap: str | None, text: str = "",
+             final: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """A program ended (``trap`` None: normally, with ``text``): commit its files and session memory
+        on success, write its result or trap back into the sequence, and audit it."""
+        run = self.runs[slot]
+        scalars, _, memory = self.unit.read(slot) if final is None else (final[0], None, final[1])
+        instructions = int(scalars[SCALAR["executed"]])
+        trace = trace_lines(self.unit.trace_rows(slot, instructions))
         self._release(slot)
-        if status == Status.TRAPPED:
-            message = Trap(int(report.trap[slot])).message
-            self._write_back(run.seq, run.source_hash, message, True, instructions, now - run.started)
-            return
-        types = run.image.result_types
-        values = [int(low) | (int(high) << 32 if kind == "I" else 0)
-                  for (low, high), kind in zip(report.results[slot], types, strict=False)]
-        files = run.syscalls.commit()
-        text = result_text(values, types, bytes(run.syscalls.stdout))
-        self._write_back(run.seq, run.source_hash, text, False, instructions, now - run.started, files)
+        files: dict[str, bytes] = {}
+        if trap is None:
+            files = run.syscalls.commit()
+            session = self._session_key(run.seq)
+            if session is not None:
+                self.sessions.put(*session, memory, int(scalars[SCALAR["pages"]]))
+        branches = int(scalars[SCALAR["branches"]])
+        context = (trap if trap is not None else text) + self._trace_text(run, instructions, branches, trace)
+        self._audit(run, trap, text, instructions, branches, trace, files)
+        self._write_back(run.seq, context, trap is not None)
 
-    def _write_back(self, seq: Sequence, source_hash: str, text: str, trap: bool, instructions: int,
-                    seconds: float, files: dict[str, bytes] | None = None) -> None:
+    def _trace_text(self, run: _Run, instructions: int, branches: int, trace: list[str]) -> str:
+        """What of the trace enters the context: nothing, a summary, or the trace lines up to the token limit."""
+        mode = run.seq.params.exec_trace
+        if mode == "summary":
+            touched = ", ".join(sorted(run.syscalls.touched))
+            return f"\n[trace] {instructions} instructions, {branches} branches taken" + (
+                f", files: {touched}" if touched else "")
+        if mode != "full":
+            return ""
+        kept, budget = [], self.max_trace_tokens
+        for line in trace:
+            budget -= len(self.tokenizer.encode_user(line + "\n"))
+            if budget < 0:
+                break
+            kept.append(line)
+        more = instructions - len(kept)
+        return "\n" + "\n".join(kept) + (f"\n[trace] {more} more instructions" if more > 0 else "")
+
+    def _audit(self, run: _Run, trap: str | None, text: str, instructions: int, branches: int, trace: list[str],
+               files: dict[str, bytes]) -> None:
+        seq = run.seq
+        audit.info(json.dumps({
+            "event": "exec", "request_id": seq.request.request_id, "tenant": seq.request.tenant or DEFAULT_TENANT,
+            "module_sha256": run.source_hash, "instructions": instructions, "branches": branches,
+            "trap" if trap is not None else "result": trap if trap is not None else text,
+            "seconds": round(time.monotonic() - run.started, 6),
+            "files_mapped": list(seq.params.exec_files), "files_touched": sorted(run.syscalls.touched),
+            "files_written": {path: hashlib.sha256(data).hexdigest() for path, data in files.items()},
+            "trace": trace,
+        }))
+
+    def _write_back(self, seq: Sequence, text: str, trap: bool) -> None:
         seq.exec_source = None
         self.programs_run += 1
         self.traps += trap
-        audit.info(json.dumps({
-            "event": "exec", "request_id": seq.request.request_id, "tenant": seq.request.tenant or DEFAULT_TENANT,
-            "module_sha256": source_hash, "instructions": instructions,
-            "trap" if trap else "result": text, "seconds": round(seconds, 6),
-            "files_mapped": list(seq.params.exec_files),
-            "files_written": {path: hashlib.sha256(data).hexdigest() for path, data in (files or {}).items()},
-        }))
         if seq.finish_reason is not None:
             return
         opening, closing = ((self.tokens.trap_open, self.tokens.trap_close) if trap
                             else (self.tokens.result_open, self.tokens.result_close))
         self.append_forced(seq, [opening, *self.tokenizer.encode_user(text, field="exec result"), closing])
+
+    def _reject(self, seq: Sequence, source_hash: str, message: str) -> None:
+        """A program that could not start (malformed, invalid, unsupported, a bad file mapping)."""
+        audit.info(json.dumps({"event": "exec", "request_id": seq.request.request_id,
+                               "tenant": seq.request.tenant or DEFAULT_TENANT, "module_sha256": source_hash,
+                               "instructions": 0, "trap": message}))
+        self._write_back(seq, message, True)
 
     def _release(self, slot: int) -> None:
         run = self.runs.pop(slot)

@@ -32,6 +32,7 @@ class SamplingParams:
     exec_max_instructions: int | None = None  # fuel per program; None = the engine's cap (also the maximum)
     exec_files: tuple[str, ...] = ()  # the tenant's files mapped to descriptors 3, 4, ... (engine.exec_files_root)
     exec_session: str = ""  # programs start from the memory the tenant's last program in this session ended with
+    exec_trace: str = "none"  # what of a program's trace enters the context: none | summary | full
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -56,6 +57,8 @@ class SamplingParams:
             _int_field("exec_max_instructions", self.exec_max_instructions, low=1, high=MAX_INT32)
         if len(self.exec_files) > 16 or not all(isinstance(path, str) and path for path in self.exec_files):
             raise RequestError("exec_files: at most 16 non-empty relative paths")
+        if self.exec_trace not in ("none", "summary", "full"):
+            raise RequestError(f"exec_trace: must be none, summary or full, got {self.exec_trace!r}")
         if not isinstance(self.exec_session, str) or len(self.exec_session) > 256:
             raise RequestError("exec_session: a string of at most 256 characters")
         for i, s in enumerate(self.stop):

@@ -17,7 +17,7 @@ import wasmtime
 
 from jaxinfer.processor import machine
 from jaxinfer.processor.binary import MalformedModule, Module, decode
-from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Status, Trap
+from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Op, Status, Trap
 from jaxinfer.processor.lower import FunctionCode, Program, Unsupported, lower
 from jaxinfer.processor.validate import InvalidModule, validate
 from jaxinfer.processor.wasi import SYSCALL_NAMES, SYSCALLS, FileMapping, ProcessExit, QuotaExceeded, Syscalls
@@ -37,6 +37,8 @@ class ExecResult:
     instructions: int
     stdout: bytes = b""
     files_written: dict[str, bytes] = field(default_factory=dict)
+    branches: int = 0  # branches taken
+    trace: list[str] = field(default_factory=list)  # one line per instruction with trace="full"
 
 
 @dataclass
@@ -71,7 +73,16 @@ def serve_host_call(code: np.ndarray, scalars: np.ndarray, registers: np.ndarray
     return HostCallOutcome(True)
 
 
-_SCALAR = {name: index for index, name in enumerate(machine.MachineState._fields[:9])}
+_SCALAR = machine.SCALAR
+
+
+def trace_lines(rows: np.ndarray) -> list[str]:
+    """Trace rows (pc, op, value low, value high) as text: one line per executed instruction."""
+    lines = []
+    for pc, op, low, high in rows.tolist():
+        value = (low & 0xFFFFFFFF) | ((high & 0xFFFFFFFF) << 32)
+        lines.append(f"{pc:5d} {Op(op).name.lower():<10} {value}")
+    return lines
 
 
 @dataclass
@@ -163,7 +174,8 @@ class Instance:
     """A module instance: globals and memory that persist across invocations."""
 
     def __init__(self, compiled: CompiledModule, *, memory_pages: int = DEFAULT_MEMORY_PAGES,
-                 max_call_depth: int = DEFAULT_MAX_DEPTH, registers: int = DEFAULT_REGISTERS) -> None:
+                 max_call_depth: int = DEFAULT_MAX_DEPTH, registers: int = DEFAULT_REGISTERS,
+                 trace_entries: int = 0) -> None:
         program = compiled.program
         self.program = program
         self.globals = initial_globals(program)
@@ -172,7 +184,8 @@ class Instance:
         code_length = _bucket(len(program.code), 256)
         self.code = code_image(program, code_length)[None]
         self.device_code = jax.numpy.asarray(self.code)
-        self.shape = machine.MachineShape(1, code_length, registers, _bucket(memory_pages, 1), max_call_depth)
+        self.shape = machine.MachineShape(1, code_length, registers, _bucket(memory_pages, 1), max_call_depth,
+                                          trace_entries)
         if program.start is not None:
             result = self.call(program.start, [])
             if result.trap:
@@ -193,7 +206,8 @@ class Instance:
 
     def call(self, function: int, args: list[int], *, max_instructions: int = 2**31 - 1,
              timeout_seconds: float | None = None, files: FileMapping | None = None) -> ExecResult:
-        """Runs one function; WASI calls are served on the host, files committed only on a normal halt."""
+        """Runs one function; WASI calls are served on the host, files committed only on a normal halt.
+        With ``trace_entries`` the first that many instructions are traced."""
         program = self.program
         if function in program.unsupported:
             raise Unsupported(program.unsupported[function])
@@ -223,7 +237,7 @@ class Instance:
         outcome = serve_host_call(self.code[0], scalars, registers, memory, syscalls)
         one = {name: np.full((1,), scalars[index], np.int32) for name, index in _SCALAR.items()}
         return machine.MachineState(**one, registers=jax.numpy.asarray(registers[None]),
-                                    memory=jax.numpy.asarray(memory[None])), outcome
+                                    memory=jax.numpy.asarray(memory[None]), trace=state.trace), outcome
 
     def _initial_state(self, code, args: list[int], max_instructions: int) -> machine.MachineState:
         registers = initial_registers(self.globals, code, args, self.shape.registers)[None]
@@ -232,7 +246,9 @@ class Instance:
         return machine.MachineState(
             pc=one(code.entry), fp=one(base), depth=one(0), status=one(Status.RUNNING), trap=one(0),
             fuel=one(max_instructions), executed=one(0), pages=one(self.pages), max_pages=one(self.max_pages),
+            branches=one(0), tracing=one(int(self.shape.trace_entries > 0)),
             registers=jax.numpy.asarray(registers), memory=self.memory,
+            trace=np.zeros((1, self.shape.trace_entries + 1, 4), np.int32),
         )
 
     def _finish(self, state: machine.MachineState, code: FunctionCode, syscalls: Syscalls, trap: str | None,
@@ -250,14 +266,17 @@ class Instance:
                 low, high = (int(word) for word in registers[base + index])
                 values.append(low if value_type == "i" else low | high << 32)
         written = syscalls.commit() if trap is None else {}
-        return ExecResult(values, trap, int(state.executed[0]), bytes(syscalls.stdout), written)
+        executed = int(state.executed[0])
+        trace = trace_lines(np.asarray(state.trace[0])[: min(executed, self.shape.trace_entries)])
+        return ExecResult(values, trap, executed, bytes(syscalls.stdout), written, int(state.branches[0]), trace)
 
 
 def run(module: bytes | str, func: str = "main", args: list[int] = (), *, max_instructions: int = 10_000_000,
         memory_pages: int = DEFAULT_MEMORY_PAGES, timeout_seconds: float | None = None,
-        files: FileMapping | None = None) -> ExecResult:
-    """Compile, instantiate and invoke one export on the jitted machine (``files``: WASI descriptors 3..)."""
-    instance = Instance(compile_module(module), memory_pages=memory_pages)
+        files: FileMapping | None = None, trace_entries: int = 0) -> ExecResult:
+    """Compile, instantiate and invoke one export on the jitted machine (``files``: WASI descriptors 3..;
+    ``trace_entries``: trace that many instructions)."""
+    instance = Instance(compile_module(module), memory_pages=memory_pages, trace_entries=trace_entries)
     return instance.invoke(func, list(args), max_instructions=max_instructions, timeout_seconds=timeout_seconds,
                            files=files)
 

@@ -34,6 +34,7 @@ class MachineShape:
     registers: int
     memory_pages: int
     max_depth: int
+    trace_entries: int = 0  # per-slot trace buffer rows (0: tracing compiled out)
 
     @property
     def memory_bytes(self) -> int:
@@ -50,16 +51,24 @@ class MachineState(NamedTuple):
     executed: jax.Array
     pages: jax.Array
     max_pages: jax.Array
+    branches: jax.Array  # branches taken
+    tracing: jax.Array  # 1: write a trace row per instruction (shape.trace_entries > 0)
     registers: jax.Array  # [slots, registers + 1, 2] uint32; the last register absorbs non-writes
     memory: jax.Array  # [slots, memory bytes + 8] uint8; the 8 padding bytes are never in bounds
+    trace: jax.Array  # [slots, trace_entries + 1, 4] int32 rows (pc, op, value low, value high); the last absorbs
+
+
+SCALAR_FIELDS = MachineState._fields[:11]
+SCALAR = {name: index for index, name in enumerate(SCALAR_FIELDS)}
 
 
 def empty_state(shape: MachineShape) -> MachineState:
-    scalars = {name: jnp.zeros((shape.slots,), jnp.int32) for name in MachineState._fields[:9]}
+    scalars = {name: jnp.zeros((shape.slots,), jnp.int32) for name in SCALAR_FIELDS}
     return MachineState(
         **scalars,
         registers=jnp.zeros((shape.slots, shape.registers + 1, 2), U32),
         memory=jnp.zeros((shape.slots, shape.memory_bytes + 8), jnp.uint8),
+        trace=jnp.zeros((shape.slots, shape.trace_entries + 1, 4), jnp.int32),
     )
 
 
@@ -199,12 +208,15 @@ class _Pending(NamedTuple):
     register_value: jax.Array  # [slots, 2]
     address: jax.Array  # [slots] byte address of the 8-byte window
     window: jax.Array  # [slots, 8] bytes (the old bytes where nothing is stored)
+    trace_row: jax.Array  # [slots] trace row (the scratch row when not tracing)
+    trace_entry: jax.Array  # [slots, 4]
 
 
 def _no_writes(shape: MachineShape) -> _Pending:
     return _Pending(jnp.full((shape.slots,), shape.registers, jnp.int32), jnp.zeros((shape.slots, 2), U32),
                     jnp.full((shape.slots,), shape.memory_bytes, jnp.int32),
-                    jnp.zeros((shape.slots, 8), jnp.uint8))
+                    jnp.zeros((shape.slots, 8), jnp.uint8),
+                    jnp.full((shape.slots,), shape.trace_entries, jnp.int32), jnp.zeros((shape.slots, 4), jnp.int32))
 
 
 def _apply(state: MachineState, pending: _Pending) -> MachineState:
@@ -212,6 +224,9 @@ def _apply(state: MachineState, pending: _Pending) -> MachineState:
     registers = state.registers.at[rows, pending.register].set(pending.register_value, mode="promise_in_bounds")
     positions = pending.address[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]
     memory = state.memory.at[rows[:, None], positions].set(pending.window, mode="promise_in_bounds")
+    if state.trace.shape[1] > 1:  # tracing compiled in
+        trace = state.trace.at[rows, pending.trace_row].set(pending.trace_entry, mode="promise_in_bounds")
+        state = state._replace(trace=trace)
     return state._replace(registers=registers, memory=memory)
 
 
@@ -239,6 +254,8 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     write_index = jnp.where(commit & (record.dst != NO_WRITE), write_index, shape.registers)
 
     pc, new_fp, depth, finished = _next_pc(state, record, x)
+    branching = (op >= Op.BR) & (op <= Op.BR_TABLE)
+    taken = commit & branching & (pc != state.pc + 1)
     status = jnp.where(commit & finished, Status.DONE, state.status)
     status = jnp.where(commit & (op == Op.HOSTCALL), Status.SYSCALL, status)  # the host serves it
     write_index = jnp.where(op == Op.HOSTCALL, shape.registers, write_index)
@@ -252,9 +269,21 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
         executed=jnp.where(commit, state.executed + record.cost, state.executed),
         pages=jnp.where(commit, grow[1], state.pages),
         max_pages=state.max_pages,
+        branches=state.branches + taken,
+        tracing=state.tracing,
         registers=state.registers,
         memory=state.memory,
-    ), _Pending(write_index, jnp.stack(value, axis=-1), *memory_write)
+        trace=state.trace,
+    ), _Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *_trace_write(state, record, value, commit,
+                                                                                         shape))
+
+
+def _trace_write(state, record, value, commit, shape) -> tuple[jax.Array, jax.Array]:
+    """The trace row of an executed instruction (records of cost 0, the moves lowering adds, are left out)."""
+    keep = commit & (state.tracing != 0) & (record.cost > 0) & (state.executed < shape.trace_entries)
+    row = jnp.where(keep, state.executed, shape.trace_entries)
+    entry = jnp.stack([state.pc, record.op, alu.as_signed(value[0]), alu.as_signed(value[1])], axis=-1)
+    return row, entry
 
 
 def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
@@ -318,16 +347,13 @@ def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
     return next_pc, jnp.where(finished, state.fp, fp), depth, finished
 
 
-_SCALARS = ("pc", "fp", "depth", "status", "trap", "fuel", "executed", "pages", "max_pages")
-
-
 def _pack(state: MachineState) -> jax.Array:
-    """The per-slot scalars as one [slots, 9] array: the loop then updates them in one kernel, not nine."""
-    return jnp.stack([getattr(state, name) for name in _SCALARS], axis=1)
+    """The per-slot scalars as one [slots, 11] array: the loop then updates them in one kernel, not eleven."""
+    return jnp.stack([getattr(state, name) for name in SCALAR_FIELDS], axis=1)
 
 
-def _unpack(scalars: jax.Array, registers: jax.Array, memory: jax.Array) -> MachineState:
-    return MachineState(*(scalars[:, column] for column in range(len(_SCALARS))), registers, memory)
+def _unpack(scalars: jax.Array, registers: jax.Array, memory: jax.Array, trace: jax.Array) -> MachineState:
+    return MachineState(*(scalars[:, column] for column in range(len(SCALAR_FIELDS))), registers, memory, trace)
 
 
 def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape) -> MachineState:
@@ -335,14 +361,14 @@ def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: Machi
 
     def keep_going(carry):
         iteration, scalars, *_ = carry
-        return (iteration < steps) & jnp.any(scalars[:, _SCALARS.index("status")] == Status.RUNNING)
+        return (iteration < steps) & jnp.any(scalars[:, SCALAR["status"]] == Status.RUNNING)
 
     def body(carry):
-        iteration, scalars, registers, memory, pending = carry
-        current = _apply(_unpack(scalars, registers, memory), pending)
+        iteration, scalars, registers, memory, trace, pending = carry
+        current = _apply(_unpack(scalars, registers, memory, trace), pending)
         following, writes = step(current, code, shape)
-        return iteration + 1, _pack(following), following.registers, following.memory, writes
+        return iteration + 1, _pack(following), following.registers, following.memory, following.trace, writes
 
-    carry = (jnp.int32(0), _pack(state), state.registers, state.memory, _no_writes(shape))
-    _, scalars, registers, memory, pending = lax.while_loop(keep_going, body, carry)
-    return _apply(_unpack(scalars, registers, memory), pending)
+    carry = (jnp.int32(0), _pack(state), state.registers, state.memory, state.trace, _no_writes(shape))
+    _, scalars, registers, memory, trace, pending = lax.while_loop(keep_going, body, carry)
+    return _apply(_unpack(scalars, registers, memory, trace), pending)

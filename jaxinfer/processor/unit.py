@@ -38,6 +38,7 @@ class ExecReport(NamedTuple):
     status: jax.Array  # [slots] int32
     trap: jax.Array  # [slots] int32
     executed: jax.Array  # [slots] int32
+    branches: jax.Array  # [slots] int32
     results: jax.Array  # [slots, RESULT_REGISTERS, 2] uint32
 
 
@@ -48,14 +49,14 @@ class SlotImage:
     code: np.ndarray
     registers: np.ndarray
     memory: np.ndarray
-    scalars: np.ndarray  # pc, fp, depth, status, trap, fuel, executed, pages, max_pages
+    scalars: np.ndarray  # machine.SCALAR_FIELDS
     result_types: str
 
 
 def report(state: machine.MachineState) -> ExecReport:
     rows = jnp.arange(state.pc.shape[0])[:, None]
     positions = state.fp[:, None] + jnp.arange(RESULT_REGISTERS)[None, :]
-    return ExecReport(state.status, state.trap, state.executed, state.registers[rows, positions])
+    return ExecReport(state.status, state.trap, state.executed, state.branches, state.registers[rows, positions])
 
 
 def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
@@ -67,9 +68,9 @@ def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
 
 def _write_slot(state: machine.MachineState, slot: jax.Array, registers, memory, scalars) -> machine.MachineState:
     fields = {name: getattr(state, name).at[slot].set(scalars[index])
-              for index, name in enumerate(machine.MachineState._fields[:9])}
+              for index, name in enumerate(machine.SCALAR_FIELDS)}
     return machine.MachineState(**fields, registers=state.registers.at[slot].set(registers),
-                                memory=state.memory.at[slot].set(memory))
+                                memory=state.memory.at[slot].set(memory), trace=state.trace)
 
 
 def _load(state: machine.MachineState, code: jax.Array, slot: jax.Array, image_code, registers, memory, scalars):
@@ -97,7 +98,7 @@ class ExecUnit:
         return functools.partial(advance_in_step, steps=self.steps, shape=self.shape)
 
     def prepare(self, compiled: CompiledModule, max_instructions: int,
-                memory: tuple[bytes, int] | None = None) -> SlotImage:
+                memory: tuple[bytes, int] | None = None, trace: bool = False) -> SlotImage:
         """The slot image for the module's entry point, starting from ``memory`` (bytes, pages) when
         given; raises Unsupported when it cannot run here."""
         program = compiled.program
@@ -115,7 +116,7 @@ class ExecUnit:
         globals_ = initial_globals(program)
         memory, pages, max_pages = initial_memory(program, self.shape.memory_pages, self.shape.memory_pages, memory)
         scalars = np.array([code.entry, len(globals_), 0, Status.RUNNING, Trap.NONE, max_instructions, 0, pages,
-                            max_pages], np.int32)
+                            max_pages, 0, int(trace and self.shape.trace_entries > 0)], np.int32)
         registers = initial_registers(globals_, code, [], self.shape.registers)
         return SlotImage(code_image(program, self.shape.code_length), registers, memory, scalars, code.results)
 
@@ -125,9 +126,12 @@ class ExecUnit:
 
     def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A slot's scalars, registers and memory on the host (to serve its system call)."""
-        scalars = np.array([int(getattr(self.state, name)[slot]) for name in machine.MachineState._fields[:9]],
-                           np.int32)
+        scalars = np.array([int(getattr(self.state, name)[slot]) for name in machine.SCALAR_FIELDS], np.int32)
         return scalars, np.array(self.state.registers[slot]), np.array(self.state.memory[slot])
+
+    def trace_rows(self, slot: int, count: int) -> np.ndarray:
+        """The first ``count`` trace rows of a slot (pc, op, value low, value high)."""
+        return np.asarray(self.state.trace[slot, : min(count, self.shape.trace_entries)])
 
     def resume(self, slot: int, scalars: np.ndarray, registers: np.ndarray, memory: np.ndarray) -> None:
         self.state = self._write(self.state, np.int32(slot), registers, memory, scalars)
@@ -141,7 +145,7 @@ class ExecUnit:
         """Compiles the load, stop and machine-only programs now rather than at the first program."""
         shape = self.shape
         idle = SlotImage(np.zeros((shape.code_length, 8), np.int32), np.zeros((shape.registers + 1, 2), np.uint32),
-                         np.zeros(shape.memory_bytes + 8, np.uint8), np.zeros(9, np.int32), "")
+                         np.zeros(shape.memory_bytes + 8, np.uint8), np.zeros(len(machine.SCALAR_FIELDS), np.int32), "")
         self.load(0, idle)
         self.resume(0, *self.read(0))
         self.stop(0)

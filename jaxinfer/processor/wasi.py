@@ -103,7 +103,7 @@ class Syscalls:
     stderr: bytearray = field(default_factory=bytearray)
     files: dict[int, MappedFile] = field(default_factory=dict)
     calls: int = 0
-
+    touched: set[str] = field(default_factory=set)  # mapped paths read or written
     def __post_init__(self) -> None:
         for index, relative in enumerate(self.mapping.paths if self.mapping else ()):
             path = self.mapping.resolve(relative)
@@ -184,7 +184,10 @@ class Syscalls:
 
     def _open(self, fd: int) -> MappedFile | None:
         handle = self.files.get(fd)
-        return handle if handle is not None and not handle.closed else None
+        if handle is None or handle.closed:
+            return None
+        self.touched.add(self.mapping.paths[fd - FIRST_FILE])
+        return handle
 
     def _staged_bytes(self) -> int:
         return sum(len(handle.data) for handle in self.files.values())
