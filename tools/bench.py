@@ -384,6 +384,58 @@ def bench_spec(args: argparse.Namespace, llm=None) -> None:
                   identical_greedy_output=same))
 
 
+SPIN = '(module (func (export "main") (loop $l (br $l))))'
+
+
+def _decode_with(llm, requests, extra=None) -> dict:
+    """Runs `requests` to the end on llm's engine (with `extra` added and aborted after); tokens/s of `requests`."""
+    engine = llm.engine
+    before = dataclasses.replace(engine.stats)
+    extra_seq = engine.add_request(extra) if extra is not None else None
+    sequences = [engine.add_request(r) for r in requests]
+    start = time.perf_counter()
+    while any(seq.finish_reason is None for seq in sequences):
+        engine.step()
+    seconds = time.perf_counter() - start
+    executed = 0
+    if extra_seq is not None:
+        executed = int(engine.runner.exec_unit.read(extra_seq.exec_slot)[0][6]) if extra_seq.exec_slot is not None \
+            else 0
+        engine.abort(extra_seq.index)
+    while engine.has_unfinished():
+        engine.step()
+    steps = engine.stats.steps - before.steps
+    tokens = sum(len(seq.output_ids) for seq in sequences)
+    return dict(tok_s=round(tokens / seconds, 1), step_ms=round(1000 * (engine.stats.step_seconds -
+                before.step_seconds) / max(steps, 1), 2), machine_instructions=executed,
+                machine_instructions_per_s=round(executed / seconds))
+
+
+def bench_exec(args: argparse.Namespace) -> None:
+    """The processor's cost to co-batched sequences: decode tok/s without slots, with idle slots, and
+    next to a program that runs the whole time (exec_steps_per_step machine iterations per step)."""
+    from jaxinfer import LLM, SamplingParams
+
+    plain = load_llm(args)
+    start = time.perf_counter()
+    with_slots = LLM(args.model, args.config, exec_slots=2, exec_steps_per_step=args.steps_per_step)
+    emit(dict(what="jaxinfer_exec_env", exec_slots=2, exec_steps_per_step=args.steps_per_step,
+              warmup_s=round(with_slots.warmup_seconds, 1), plain_warmup_s=round(plain.warmup_seconds, 1),
+              startup_s=round(time.perf_counter() - start, 1)))
+    prompts = random_prompts(plain, [args.in_len] * args.batch_size, seed=0)
+    requests = [plain.request(p, exact(args.out_len)) for p in prompts]
+    spinner = with_slots.request([{"special": "<|exec|>"}, SPIN, {"special": "<|/exec|>"}],
+                                 SamplingParams(max_tokens=4, exec=True, exec_max_instructions=2**31 - 1))
+    for llm in (plain, with_slots):  # touch every bucket the workload uses
+        _decode_with(llm, requests[:2])
+    results = {"no_slots": _decode_with(plain, requests), "idle_slots": _decode_with(with_slots, requests),
+               "program_running": _decode_with(with_slots, requests, spinner)}
+    emit(dict(what="jaxinfer_exec_overhead", batch=args.batch_size, in_len=args.in_len, out_len=args.out_len,
+              **{f"{name}_{key}": value for name, result in results.items() for key, value in result.items()},
+              idle_ratio=round(results["idle_slots"]["tok_s"] / results["no_slots"]["tok_s"], 3),
+              running_ratio=round(results["program_running"]["tok_s"] / results["no_slots"]["tok_s"], 3)))
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -408,6 +460,11 @@ def main() -> None:
     spec.add_argument("--draft-layers", type=int, default=2)
     spec.add_argument("--num-draft-tokens", type=int, default=4)
     spec.add_argument("--draft-confidence", type=float, default=0.0)
+    exec_ = sub.add_parser("exec", description=bench_exec.__doc__.splitlines()[0])
+    exec_.add_argument("--batch-size", type=int, default=8)
+    exec_.add_argument("--in-len", type=int, default=32)
+    exec_.add_argument("--out-len", type=int, default=64)
+    exec_.add_argument("--steps-per-step", type=int, default=256)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
@@ -435,6 +492,8 @@ def main() -> None:
         bench_spec(args)
     elif args.workload == "processor":
         processor_bench.bench(args)
+    elif args.workload == "exec":
+        bench_exec(args)
     else:
         workloads[args.workload](args)
 
