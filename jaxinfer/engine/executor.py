@@ -156,7 +156,7 @@ class Executor:
         run = self.runs[slot]
         scalars, _, memory = self.unit.read(slot) if final is None else (final[0], None, final[1])
         instructions = int(scalars[SCALAR["executed"]])
-        trace = trace_lines(self.unit.trace_rows(slot, instructions))
+        trace = trace_lines(self.unit.trace_rows(slot, int(scalars[SCALAR["traced"]])))
         self._release(slot)
         files: dict[str, bytes] = {}
         if trap is None:
@@ -184,8 +184,10 @@ class Executor:
             if budget < 0:
                 break
             kept.append(line)
-        more = instructions - len(kept)
-        return "\n" + "\n".join(kept) + (f"\n[trace] {more} more instructions" if more > 0 else "")
+        cut = len(trace) - len(kept)
+        full = len(trace) >= self.unit.shape.trace_entries  # the device buffer filled: later records are not kept
+        note = f"\n[trace] {cut} more rows not shown" if cut else ""
+        return "\n" + "\n".join(kept) + note + (f"\n[trace] stopped after {len(trace)} rows" if full else "")
 
     def _audit(self, run: _Run, trap: str | None, text: str, instructions: int, branches: int, trace: list[str],
                files: dict[str, bytes]) -> None:

@@ -77,7 +77,8 @@ _SCALAR = machine.SCALAR
 
 
 def trace_lines(rows: np.ndarray) -> list[str]:
-    """Trace rows (pc, op, value low, value high) as text: one line per executed instruction."""
+    """Trace rows (pc, op, value low, value high) as text: one line per executed record (a WebAssembly
+    instruction with the operands and local.set folded into it)."""
     lines = []
     for pc, op, low, high in rows.tolist():
         value = (low & 0xFFFFFFFF) | ((high & 0xFFFFFFFF) << 32)
@@ -114,8 +115,9 @@ def _bucket(value: int, minimum: int) -> int:
 
 
 def initial_globals(program: Program) -> np.ndarray:
-    """[globals, 2] uint32 (low, high) words of the globals' initial values."""
-    return np.array([[value & 0xFFFFFFFF, value >> 32] for value in program.global_inits], np.uint32).reshape(-1, 2)
+    """[globals + constants, 2] uint32 (low, high) words: the globals' initial values, then the constant pool."""
+    values = [*program.global_inits, *program.constants]
+    return np.array([[value & 0xFFFFFFFF, value >> 32] for value in values], np.uint32).reshape(-1, 2)
 
 
 def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
@@ -246,7 +248,7 @@ class Instance:
         return machine.MachineState(
             pc=one(code.entry), fp=one(base), depth=one(0), status=one(Status.RUNNING), trap=one(0),
             fuel=one(max_instructions), executed=one(0), pages=one(self.pages), max_pages=one(self.max_pages),
-            branches=one(0), tracing=one(int(self.shape.trace_entries > 0)),
+            branches=one(0), tracing=one(int(self.shape.trace_entries > 0)), traced=one(0),
             registers=jax.numpy.asarray(registers), memory=self.memory,
             trace=np.zeros((1, self.shape.trace_entries + 1, 4), np.int32),
         )
@@ -267,7 +269,7 @@ class Instance:
                 values.append(low if value_type == "i" else low | high << 32)
         written = syscalls.commit() if trap is None else {}
         executed = int(state.executed[0])
-        trace = trace_lines(np.asarray(state.trace[0])[: min(executed, self.shape.trace_entries)])
+        trace = trace_lines(np.asarray(state.trace[0])[: int(state.traced[0])])
         return ExecResult(values, trap, executed, bytes(syscalls.stdout), written, int(state.branches[0]), trace)
 
 

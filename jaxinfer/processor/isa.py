@@ -7,11 +7,12 @@ registers and writes at most one. A record is ``RECORD_WIDTH`` int32 fields:
     op, dst, a, b, c, imm, imm2, cost
 
 ``dst``/``a``/``b``/``c`` are register offsets from the frame pointer (``dst = NO_WRITE`` writes
-nothing; ``GGET``/``GSET`` address globals absolutely). ``imm``/``imm2`` are immediates (a
-constant's low/high words, a branch target, a memory offset and access kind, a system call's
-number and argument count), and ``cost`` is the
-number of WebAssembly instructions the record accounts for (0 for moves and jumps that lowering
-adds), which is what fuel and the instruction count measure.
+nothing; values from ``ABSOLUTE`` up address globals and the constant pool absolutely).
+``imm``/``imm2`` are immediates: a constant's low/high words, a branch target, a memory offset
+and access kind, a system call's number and argument count. ``cost`` is the number of
+WebAssembly instructions the record accounts for: 0 for moves and jumps that lowering adds, more
+than 1 when operands (``local.get``, constants) or a ``local.set`` are folded into it. Fuel and
+the instruction count measure it.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import enum
 
 RECORD_WIDTH = 8
 NO_WRITE = -1
+ABSOLUTE = 1 << 24  # an operand or destination >= ABSOLUTE is register (value - ABSOLUTE): globals, constants
 FIELD = {name: index for index, name in enumerate(("op", "dst", "a", "b", "c", "imm", "imm2", "cost"))}
 
 _CONTROL = ["UNREACHABLE", "BR", "BR_IF", "BR_UNLESS", "BR_TABLE", "CALL", "RETURN", "HOSTCALL"]
-_DATA = ["CONST", "MOV", "GGET", "GSET", "SELECT", "LOAD", "STORE", "MSIZE", "MGROW"]
+_DATA = ["CONST", "MOV", "SELECT", "LOAD", "STORE", "MSIZE", "MGROW"]
 _UNARY = ["EQZ", "CLZ", "CTZ", "POPCNT", "EXT8", "EXT16"]
 _BINARY = ["ADD", "SUB", "MUL", "DIV_S", "DIV_U", "REM_S", "REM_U", "AND", "OR", "XOR", "SHL", "SHR_S", "SHR_U",
            "ROTL", "ROTR", "EQ", "NE", "LT_S", "LT_U", "GT_S", "GT_U", "LE_S", "LE_U", "GE_S", "GE_U"]

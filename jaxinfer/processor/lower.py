@@ -4,6 +4,10 @@ Register 0 of a frame is its link (return pc, caller frame pointer), written by 
 is register ``1 + k`` and stack slot ``s`` of a function with ``L`` locals is register
 ``1 + L + s``. A call shifts its arguments up one register (moves of cost 0) to make room for the
 callee's link; RETURN reads the link and writes the first result over it in the same record.
+``local.get``, ``global.get`` and constants are not moves: the record that consumes them reads
+the local, the global or the program's constant pool (absolute registers after the globals)
+directly, and a ``local.set`` right after a computation retargets that record's destination.
+Entries still aliased go to their slots before control flow (moves carrying the folded cost).
 Branches that carry values become explicit moves followed by a jump; ``br_table`` becomes an
 indexed jump into a table of jumps. Code after an unconditional branch is not emitted. A function
 that uses an instruction the machine does not run (floats, indirect calls, imports other than the
@@ -18,9 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxinfer.processor.binary import Instruction, Module
-from jaxinfer.processor.isa import FIELD, NO_WRITE, NUMERIC_OPS, RECORD_WIDTH, Op, load_kind
+from jaxinfer.processor.isa import ABSOLUTE, FIELD, NO_WRITE, NUMERIC_OPS, RECORD_WIDTH, Op, load_kind
 from jaxinfer.processor.validate import block_signature
 from jaxinfer.processor.wasi import SYSCALLS, WASI_MODULE
+
+# Records that only compute their destination: a local.set right after one can take over its dst.
+RETARGETABLE = frozenset(op for op in Op if op.name.startswith(("I32_", "I64_"))) | {
+    Op.SELECT, Op.LOAD, Op.MSIZE, Op.MGROW, Op.MOV}
 
 
 class Unsupported(ValueError):
@@ -49,6 +57,7 @@ class Program:
     data: list[tuple[int, bytes]]
     start: int | None
     imported_functions: int
+    constants: list[int] = field(default_factory=list)  # the constant pool: absolute registers after the globals
 
     def function_index(self, name: str) -> int:
         kind, index = self.exports.get(name, (None, None))
@@ -75,8 +84,11 @@ class _FunctionLowering:
 
     def __init__(self, module: Module, function_types: list[int], param_types: str, local_types: str,
                  results: str, code: list[list[int]], calls: list[tuple[int, int]],
-                 host_calls: dict[int, int]) -> None:
+                 host_calls: dict[int, int], constants: dict[int, int]) -> None:
         self.module = module
+        self.constants = constants  # 64-bit pattern -> absolute register (shared by the whole program)
+        self.aliases: dict[int, tuple[int, int]] = {}  # stack index -> (operand register, folded cost)
+        self.barrier = 0  # first record after the last branch target: records before it may not be retargeted
         self.host_calls = host_calls  # imported function index -> WASI system call number
         self.function_types = function_types
         self.locals = len(param_types) + len(local_types)
@@ -97,8 +109,38 @@ class _FunctionLowering:
         return 1 + self.locals + height
 
     def set_height(self, height: int) -> None:
+        for index in [index for index in self.aliases if index >= height]:
+            del self.aliases[index]
         self.height = height
         self.max_height = max(self.max_height, height)
+
+    # Operands: a stack entry is in its slot, or an alias of a local, global or constant register ----------
+
+    def push_alias(self, register: int) -> None:
+        self.aliases[self.height] = (register, 1)
+        self.set_height(self.height + 1)
+
+    def take(self, count: int) -> tuple[list[int], int]:
+        """The registers of the top ``count`` entries (aliases read in place) and the cost folded into them."""
+        first = self.height - count
+        registers = [self.aliases.get(index, (self.slot(index), 0))[0] for index in range(first, self.height)]
+        return registers, sum(self.aliases.get(index, (0, 0))[1] for index in range(first, self.height))
+
+    def materialize(self, index: int) -> None:
+        register, cost = self.aliases.pop(index)
+        self.emit(Op.MOV, dst=self.slot(index), a=register, cost=cost)
+
+    def materialize_all(self) -> None:
+        """Every entry into its slot: before control flow, whose targets expect values in slots."""
+        for index in sorted(self.aliases):
+            self.materialize(index)
+
+    def materialize_aliases_of(self, register: int) -> None:
+        for index in sorted(index for index, (aliased, _) in self.aliases.items() if aliased == register):
+            self.materialize(index)
+
+    def mark_target(self) -> None:
+        self.barrier = self.here()
 
     def emit(self, op: Op, *, dst: int = NO_WRITE, a: int = 0, b: int = 0, c: int = 0, imm: int = 0, imm2: int = 0,
              cost: int = 1) -> int:
@@ -111,6 +153,8 @@ class _FunctionLowering:
 
     def patch(self, position: int, target: int) -> None:
         self.code[position][FIELD["imm"]] = target
+        if target == self.here():
+            self.mark_target()
 
     def here(self) -> int:
         return len(self.code)
@@ -135,12 +179,16 @@ class _FunctionLowering:
         if not self.reachable:
             self.blocks.append(_Block(kind, self.height, 0, 0, 0, live=False))
             return
+        condition = None
         if kind == "if":
+            (condition,), folded = self.take(1)
             self.set_height(self.height - 1)
+        self.materialize_all()
         block = _Block(kind, self.height - params, params if kind == "loop" else results, results, params,
                        start=self.here())
+        self.mark_target()
         if kind == "if":
-            block.else_fixup = self.emit(Op.BR_UNLESS, a=self.slot(self.height))
+            block.else_fixup = self.emit(Op.BR_UNLESS, a=condition, cost=1 + folded)
         self.blocks.append(block)
 
     def structure_loop(self, block_type: object) -> None:
@@ -154,6 +202,7 @@ class _FunctionLowering:
         if not block.live:
             return
         if self.reachable:
+            self.materialize_all()
             block.fixups.append(self.emit(Op.BR, cost=0))
         self.patch(block.else_fixup, self.here())
         block.else_fixup = None
@@ -162,6 +211,8 @@ class _FunctionLowering:
 
     def structure_end(self) -> None:
         block = self.blocks[-1]
+        if self.reachable:
+            self.materialize_all()
         if block.kind == "func" and self.reachable:
             self.emit_return(cost=0)
         self.blocks.pop()
@@ -170,6 +221,7 @@ class _FunctionLowering:
         for position in block.fixups + ([block.else_fixup] if block.else_fixup is not None else []):
             self.patch(position, self.here())
         self.set_height(block.height + block.result_count)
+        self.mark_target()
         self.reachable = True
 
     # Branches ---------------------------------------------------------------------------------
@@ -211,26 +263,31 @@ class _FunctionLowering:
         self.emit_jump(len(self.blocks) - 1, cost)
 
     def op_br(self, depth: int) -> None:
+        self.materialize_all()
         self.emit_jump(depth, cost=1)
         self.reachable = False
 
     def op_br_if(self, depth: int) -> None:
+        (condition,), folded = self.take(1)
         self.set_height(self.height - 1)
-        condition = self.slot(self.height)
+        self.materialize_all()
         block = self.blocks[-1 - depth]
         if not self.moves_for(depth) and block.kind != "func":
-            position = self.emit(Op.BR_IF, a=condition, imm=block.start if block.kind == "loop" else 0)
+            position = self.emit(Op.BR_IF, a=condition, imm=block.start if block.kind == "loop" else 0,
+                                 cost=1 + folded)
             if block.kind != "loop":
                 block.fixups.append(position)
             return
-        skip = self.emit(Op.BR_UNLESS, a=condition)
+        skip = self.emit(Op.BR_UNLESS, a=condition, cost=1 + folded)
         self.emit_jump(depth, cost=0)
         self.patch(skip, self.here())
 
     def op_br_table(self, depths: tuple[int, ...], default: int) -> None:
+        (index,), folded = self.take(1)
         self.set_height(self.height - 1)
+        self.materialize_all()
         targets = [*depths, default]
-        self.emit(Op.BR_TABLE, a=self.slot(self.height), imm2=len(depths))
+        self.emit(Op.BR_TABLE, a=index, imm2=len(depths), cost=1 + folded)
         stubs = []
         for depth in targets:
             block = self.blocks[-1 - depth]
@@ -265,6 +322,7 @@ class _FunctionLowering:
         pass
 
     def op_return(self) -> None:
+        self.materialize_all()
         self.emit_return(cost=1)
         self.reachable = False
 
@@ -272,13 +330,18 @@ class _FunctionLowering:
         signature = self.module.types[self.function_types[function]]
         base = self.height - len(signature.params)
         if function in self.host_calls:  # arguments stay where they are; the result replaces the first
+            self.materialize_all()
             self.emit(Op.HOSTCALL, dst=self.slot(base) if signature.results else NO_WRITE, b=self.slot(base),
                       imm=self.host_calls[function], imm2=len(signature.params))
             self.set_height(base + len(signature.results))
             return
+        arguments, _ = self.take(len(signature.params))
+        for index in [index for index in self.aliases if index < base]:  # globals may change in the callee
+            self.materialize(index)
         self.set_height(self.height + 1)
-        for index in reversed(range(len(signature.params))):
-            self.emit(Op.MOV, dst=self.slot(base + index + 1), a=self.slot(base + index), cost=0)
+        for index in reversed(range(len(signature.params))):  # up one register: the callee's link goes first
+            folded = self.aliases.pop(base + index, (0, 0))[1]  # an aliased argument's instruction is this move
+            self.emit(Op.MOV, dst=self.slot(base + index + 1), a=arguments[index], cost=folded)
         self.calls.append((self.emit(Op.CALL, dst=self.slot(base), b=self.slot(base)), function))
         self.set_height(base + len(signature.results))
 
@@ -286,53 +349,74 @@ class _FunctionLowering:
         raise Unsupported("call_indirect")
 
     def op_drop(self) -> None:
+        if self.height - 1 in self.aliases:  # keeps the instruction count exact
+            self.materialize(self.height - 1)
         self.set_height(self.height - 1)
 
+    def produce(self, op: Op, count: int, **fields) -> None:
+        """A record that consumes the top ``count`` entries and pushes its result in their first slot."""
+        operands, folded = self.take(count)
+        first = self.height - count
+        named = dict(zip(("a", "b", "c"), operands, strict=False))
+        self.set_height(first)
+        self.emit(op, dst=self.slot(first), **named, cost=1 + folded, **fields)
+        self.set_height(first + 1)
+
     def op_select(self) -> None:
-        first = self.slot(self.height - 3)
-        self.emit(Op.SELECT, dst=first, a=first, b=first + 1, c=first + 2)
-        self.set_height(self.height - 2)
+        self.produce(Op.SELECT, 3)
 
     def op_local_get(self, index: int) -> None:
-        self.emit(Op.MOV, dst=self.slot(self.height), a=self.local(index))
-        self.set_height(self.height + 1)
+        self.push_alias(self.local(index))
 
     def op_local_set(self, index: int) -> None:
-        self.emit(Op.MOV, dst=self.local(index), a=self.slot(self.height - 1))
+        self.assign(self.local(index))
         self.set_height(self.height - 1)
 
     def op_local_tee(self, index: int) -> None:
-        self.emit(Op.MOV, dst=self.local(index), a=self.slot(self.height - 1))
+        self.assign(self.local(index))
+        self.aliases[self.height - 1] = (self.local(index), 0)
 
     def op_global_get(self, index: int) -> None:
-        self.emit(Op.GGET, dst=self.slot(self.height), a=index)
-        self.set_height(self.height + 1)
+        self.push_alias(ABSOLUTE + index)
 
     def op_global_set(self, index: int) -> None:
-        self.emit(Op.GSET, dst=index, a=self.slot(self.height - 1))
+        self.assign(ABSOLUTE + index)
         self.set_height(self.height - 1)
 
+    def assign(self, register: int) -> None:
+        """local.set / local.tee / global.set of the top entry: retarget the record that computed it when
+        nothing else can see the difference, else a move."""
+        self.materialize_aliases_of(register)
+        top = self.height - 1
+        last = self.code[-1] if self.code else None
+        if (top not in self.aliases and last is not None and self.here() - 1 >= self.barrier
+                and last[FIELD["dst"]] == self.slot(top) and Op(last[FIELD["op"]]) in RETARGETABLE):
+            last[FIELD["dst"]] = _as_int32(register)
+            last[FIELD["cost"]] += 1
+            self.aliases[top] = (register, 0)  # the value now lives in the target (for local.tee)
+            return
+        (source,), folded = self.take(1)
+        self.emit(Op.MOV, dst=register, a=source, cost=1 + folded)
+
+    def constant(self, bits: int) -> None:
+        if bits not in self.constants:
+            self.constants[bits] = len(self.constants)
+        self.push_alias(ABSOLUTE + len(self.module.globals) + self.constants[bits])
+
     def op_i32_const(self, value: int) -> None:
-        self.emit(Op.CONST, dst=self.slot(self.height), imm=value & 0xFFFFFFFF)
-        self.set_height(self.height + 1)
+        self.constant(value & 0xFFFFFFFF)
 
     def op_i64_const(self, value: int) -> None:
-        bits = value & 0xFFFFFFFFFFFFFFFF
-        self.emit(Op.CONST, dst=self.slot(self.height), imm=bits & 0xFFFFFFFF, imm2=bits >> 32)
-        self.set_height(self.height + 1)
+        self.constant(value & 0xFFFFFFFFFFFFFFFF)
 
     def op_memory_size(self) -> None:
-        self.emit(Op.MSIZE, dst=self.slot(self.height))
-        self.set_height(self.height + 1)
+        self.produce(Op.MSIZE, 0)
 
     def op_memory_grow(self) -> None:
-        top = self.slot(self.height - 1)
-        self.emit(Op.MGROW, dst=top, a=top)
+        self.produce(Op.MGROW, 1)
 
     def numeric(self, op: Op, operands: int) -> None:
-        first = self.slot(self.height - operands)
-        self.emit(op, dst=first, a=first, b=first + operands - 1)
-        self.set_height(self.height - operands + 1)
+        self.produce(op, operands)
 
     def memory_access(self, instruction: Instruction) -> None:
         info = instruction.info
@@ -340,12 +424,11 @@ class _FunctionLowering:
             raise Unsupported(info.name)
         _align, offset = instruction.immediates
         if info.results:
-            top = self.slot(self.height - 1)
-            self.emit(Op.LOAD, dst=top, a=top, imm=offset, imm2=load_kind(info.name, info.access_bytes))
-        else:
-            address = self.slot(self.height - 2)
-            self.emit(Op.STORE, a=address, b=address + 1, imm=offset, imm2=info.access_bytes)
-            self.set_height(self.height - 2)
+            self.produce(Op.LOAD, 1, imm=offset, imm2=load_kind(info.name, info.access_bytes))
+            return
+        (address, value), folded = self.take(2)
+        self.set_height(self.height - 2)
+        self.emit(Op.STORE, a=address, b=value, imm=offset, imm2=info.access_bytes, cost=1 + folded)
 
 
 def _as_int32(value: int) -> int:
@@ -362,7 +445,8 @@ def _constant_value(module: Module, expression: tuple[Instruction, ...], global_
     raise Unsupported(instruction.name)
 
 
-def _lower_functions(module: Module, function_types: list[int], imported: int, code: list[list[int]]
+def _lower_functions(module: Module, function_types: list[int], imported: int, code: list[list[int]],
+                     constants: dict[int, int]
                      ) -> tuple[dict[int, FunctionCode], dict[int, str], list[tuple[int, int]]]:
     functions: dict[int, FunctionCode] = {}
     unsupported: dict[int, str] = {}
@@ -380,7 +464,7 @@ def _lower_functions(module: Module, function_types: list[int], imported: int, c
         signature = module.types[function.type_index]
         start, call_start = len(code), len(calls)
         lowering = _FunctionLowering(module, function_types, signature.params, function.local_types,
-                                     signature.results, code, calls, host_calls)
+                                     signature.results, code, calls, host_calls, constants)
         try:
             frame_size = lowering.lower(function.body)
         except Unsupported as error:
@@ -413,7 +497,8 @@ def lower(module: Module) -> Program:
     function_types = [entry.desc for entry in module.imported("func")] + list(module.function_types)
     imported = len(module.imported("func"))
     code: list[list[int]] = []
-    functions, unsupported, calls = _lower_functions(module, function_types, imported, code)
+    constants: dict[int, int] = {}
+    functions, unsupported, calls = _lower_functions(module, function_types, imported, code, constants)
     for position, callee in calls:
         target = functions.get(callee)
         if target is not None:
@@ -435,6 +520,7 @@ def lower(module: Module) -> Program:
         data=data,
         start=module.start,
         imported_functions=imported,
+        constants=sorted(constants, key=constants.get),
     )
 
 

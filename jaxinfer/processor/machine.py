@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxinfer.processor import alu
-from jaxinfer.processor.isa import FIELD, LOAD_SIGNED, LOAD_WIDE, NO_WRITE, Op, Status, Trap
+from jaxinfer.processor.isa import ABSOLUTE, FIELD, LOAD_SIGNED, LOAD_WIDE, NO_WRITE, Op, Status, Trap
 
 PAGE_BYTES = 65536
 U32 = jnp.uint32
@@ -52,13 +52,14 @@ class MachineState(NamedTuple):
     pages: jax.Array
     max_pages: jax.Array
     branches: jax.Array  # branches taken
-    tracing: jax.Array  # 1: write a trace row per instruction (shape.trace_entries > 0)
+    tracing: jax.Array  # 1: write a trace row per executed record (shape.trace_entries > 0)
+    traced: jax.Array  # trace rows written
     registers: jax.Array  # [slots, registers + 1, 2] uint32; the last register absorbs non-writes
     memory: jax.Array  # [slots, memory bytes + 8] uint8; the 8 padding bytes are never in bounds
     trace: jax.Array  # [slots, trace_entries + 1, 4] int32 rows (pc, op, value low, value high); the last absorbs
 
 
-SCALAR_FIELDS = MachineState._fields[:11]
+SCALAR_FIELDS = MachineState._fields[:12]
 SCALAR = {name: index for index, name in enumerate(SCALAR_FIELDS)}
 
 
@@ -86,6 +87,11 @@ class _Fetched(NamedTuple):
 def _fetch(code: jax.Array, pc: jax.Array) -> _Fetched:
     record = jnp.take_along_axis(code, pc[:, None, None], axis=1)[:, 0, :]
     return _Fetched(*(record[:, FIELD[name]] for name in _Fetched._fields))
+
+
+def _address(fp: jax.Array, operand: jax.Array) -> jax.Array:
+    """A record's register operand: frame-relative, or absolute from ABSOLUTE up (globals, constants)."""
+    return jnp.where(operand >= ABSOLUTE, operand - ABSOLUTE, fp + operand)
 
 
 def _read(registers: jax.Array, index: jax.Array) -> alu.Pair:
@@ -237,9 +243,9 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     out_of_fuel = running & (state.fuel < record.cost)
     executing = running & ~out_of_fuel
     op, fp = record.op, state.fp
-    x = _read(state.registers, jnp.where(op == Op.GGET, record.a, fp + record.a))
-    y = _read(state.registers, fp + record.b)
-    z = _read(state.registers, fp + record.c)
+    x = _read(state.registers, _address(fp, record.a))
+    y = _read(state.registers, _address(fp, record.b))
+    z = _read(state.registers, _address(fp, record.c))
     loaded, memory_write, out_of_bounds = _memory_access(state, record, x, y, executing)
 
     value = _value(state, record, x, y, z, loaded, executing)
@@ -250,9 +256,11 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
 
     grow = _grow(state, op, x, commit)
     value = (jnp.where(op == Op.MGROW, grow[0], value[0]), value[1])
-    write_index = jnp.where(op == Op.GSET, record.dst, fp + record.dst)
+    write_index = _address(fp, record.dst)
     write_index = jnp.where(commit & (record.dst != NO_WRITE), write_index, shape.registers)
 
+    trace_write = _trace_write(state, record, value, commit, shape)
+    trace_row_written = trace_write[0] < shape.trace_entries
     pc, new_fp, depth, finished = _next_pc(state, record, x)
     branching = (op >= Op.BR) & (op <= Op.BR_TABLE)
     taken = commit & branching & (pc != state.pc + 1)
@@ -271,17 +279,17 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
         max_pages=state.max_pages,
         branches=state.branches + taken,
         tracing=state.tracing,
+        traced=state.traced + trace_row_written,
         registers=state.registers,
         memory=state.memory,
         trace=state.trace,
-    ), _Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *_trace_write(state, record, value, commit,
-                                                                                         shape))
+    ), _Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *trace_write)
 
 
 def _trace_write(state, record, value, commit, shape) -> tuple[jax.Array, jax.Array]:
-    """The trace row of an executed instruction (records of cost 0, the moves lowering adds, are left out)."""
-    keep = commit & (state.tracing != 0) & (record.cost > 0) & (state.executed < shape.trace_entries)
-    row = jnp.where(keep, state.executed, shape.trace_entries)
+    """The trace row of an executed record (records of cost 0, the moves lowering adds, are left out)."""
+    keep = commit & (state.tracing != 0) & (record.cost > 0) & (state.traced < shape.trace_entries)
+    row = jnp.where(keep, state.traced, shape.trace_entries)
     entry = jnp.stack([state.pc, record.op, alu.as_signed(value[0]), alu.as_signed(value[1])], axis=-1)
     return row, entry
 
@@ -291,7 +299,7 @@ def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
     zero = jnp.zeros_like(x[0])
     table: dict[Op, alu.Pair] = {
         Op.CONST: (alu.as_unsigned(record.imm), alu.as_unsigned(record.imm2)),
-        Op.MOV: x, Op.GGET: x, Op.GSET: x,
+        Op.MOV: x,
         Op.SELECT: (jnp.where(z[0] != 0, x[0], y[0]), jnp.where(z[0] != 0, x[1], y[1])),
         Op.LOAD: loaded,
         Op.MSIZE: (state.pages.astype(U32), zero),
@@ -348,7 +356,7 @@ def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
 
 
 def _pack(state: MachineState) -> jax.Array:
-    """The per-slot scalars as one [slots, 11] array: the loop then updates them in one kernel, not eleven."""
+    """The per-slot scalars as one [slots, 12] array: the loop updates them in one kernel, not twelve."""
     return jnp.stack([getattr(state, name) for name in SCALAR_FIELDS], axis=1)
 
 

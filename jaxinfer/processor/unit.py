@@ -116,7 +116,7 @@ class ExecUnit:
         globals_ = initial_globals(program)
         memory, pages, max_pages = initial_memory(program, self.shape.memory_pages, self.shape.memory_pages, memory)
         scalars = np.array([code.entry, len(globals_), 0, Status.RUNNING, Trap.NONE, max_instructions, 0, pages,
-                            max_pages, 0, int(trace and self.shape.trace_entries > 0)], np.int32)
+                            max_pages, 0, int(trace and self.shape.trace_entries > 0), 0], np.int32)
         registers = initial_registers(globals_, code, [], self.shape.registers)
         return SlotImage(code_image(program, self.shape.code_length), registers, memory, scalars, code.results)
 
