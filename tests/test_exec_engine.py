@@ -79,10 +79,17 @@ def test_traps_errors_and_results_are_written_back(exec_llm: LLM, program: str, 
     assert out.text.startswith(expected)
 
 
-def test_fuel_limit_per_request(exec_llm: LLM) -> None:
+def test_limits_per_request(exec_llm: LLM) -> None:
     spin = '(module (func (export "main") (loop $l (br $l))))'
-    out = exec_llm.generate([exec_prompt(spin)], greedy(exec=True, exec_max_instructions=1000))[0]
-    assert out.text.startswith("<|trap|>fuel exhausted<|/trap|>")
+    grow = '(module (memory 1) (func (export "main") (result i32) (memory.grow (i32.const 2))))'
+    fuel, timeout, memory, room = exec_llm.generate([exec_prompt(spin), exec_prompt(spin), exec_prompt(grow),
+                                                     exec_prompt(grow)], [
+        greedy(exec=True, exec_max_instructions=1000), greedy(exec=True, exec_timeout_seconds=0.3),
+        greedy(exec=True, exec_memory_pages=2), greedy(exec=True)])
+    assert fuel.text.startswith("<|trap|>fuel exhausted<|/trap|>")
+    assert timeout.text.startswith("<|trap|>wall timeout<|/trap|>")
+    assert memory.text.startswith("<|trap|>memory limit exceeded<|/trap|>")
+    assert room.text.startswith("<|result|>1<|/result|>")  # the engine's limit is 4 pages
 
 
 def test_exec_off_runs_nothing_and_forged_markers_never_run(exec_llm: LLM) -> None:

@@ -99,7 +99,8 @@ class Executor:
         snapshot = self.sessions.get(*session) if session else None
         try:
             image = self.unit.prepare(compile_module(source), limit,
-                                      (snapshot.memory, snapshot.pages) if snapshot else None, trace=True)
+                                      (snapshot.memory, snapshot.pages) if snapshot else None, trace=True,
+                                      memory_pages=seq.params.exec_memory_pages)
             syscalls = Syscalls(self.files(seq))
         except (MalformedModule, InvalidModule, Unsupported, ValueError, OSError) as error:
             kind = "unsupported: needs " if isinstance(error, Unsupported) else ""
@@ -108,8 +109,8 @@ class Executor:
         slot = self.unit.free.pop(0)
         self.unit.load(slot, image)
         seq.exec_slot = slot
-        self.runs[slot] = _Run(seq, module_hash(source), image, syscalls, steps_launched, time.monotonic(),
-                               self.timeout_seconds)
+        timeout = min(seq.params.exec_timeout_seconds or self.timeout_seconds, self.timeout_seconds)
+        self.runs[slot] = _Run(seq, module_hash(source), image, syscalls, steps_launched, time.monotonic(), timeout)
 
     def collect(self, report: ExecReport | None, step_number: int, steps_launched: int) -> None:
         """Serves system calls, writes back the programs that a step's report shows halted, and those
@@ -178,7 +179,8 @@ class Executor:
                 f", files: {touched}" if touched else "")
         if mode != "full":
             return ""
-        kept, budget = [], self.max_trace_tokens
+        limit = run.seq.params.exec_max_trace_tokens
+        kept, budget = [], min(self.max_trace_tokens if limit is None else limit, self.max_trace_tokens)
         for line in trace:
             budget -= len(self.tokenizer.encode_user(line + "\n"))
             if budget < 0:

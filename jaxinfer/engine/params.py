@@ -33,6 +33,10 @@ class SamplingParams:
     exec_files: tuple[str, ...] = ()  # the tenant's files mapped to descriptors 3, 4, ... (engine.exec_files_root)
     exec_session: str = ""  # programs start from the memory the tenant's last program in this session ended with
     exec_trace: str = "none"  # what of a program's trace enters the context: none | summary | full
+    # Lower limits than the engine's for this request's programs (None: the engine's; larger values are capped).
+    exec_timeout_seconds: float | None = None
+    exec_memory_pages: int | None = None
+    exec_max_trace_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +61,12 @@ class SamplingParams:
             _int_field("exec_max_instructions", self.exec_max_instructions, low=1, high=MAX_INT32)
         if len(self.exec_files) > 16 or not all(isinstance(path, str) and path for path in self.exec_files):
             raise RequestError("exec_files: at most 16 non-empty relative paths")
+        if self.exec_timeout_seconds is not None:
+            _float_field("exec_timeout_seconds", self.exec_timeout_seconds, low=0.0, high=86400.0, low_open=True)
+        if self.exec_memory_pages is not None:
+            _int_field("exec_memory_pages", self.exec_memory_pages, low=0, high=65536)
+        if self.exec_max_trace_tokens is not None:
+            _int_field("exec_max_trace_tokens", self.exec_max_trace_tokens, low=0, high=MAX_INT32)
         if self.exec_trace not in ("none", "summary", "full"):
             raise RequestError(f"exec_trace: must be none, summary or full, got {self.exec_trace!r}")
         if not isinstance(self.exec_session, str) or len(self.exec_session) > 256:

@@ -122,11 +122,13 @@ def initial_globals(program: Program) -> np.ndarray:
 
 def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
                    base: tuple[bytes, int] | None = None) -> tuple[np.ndarray, int, int]:
-    """Linear memory with the data segments written (plus 8 padding bytes), its size and its maximum.
+    """Linear memory with the data segments written (plus 8 padding bytes), its size in pages and the
+    module's maximum (``memory_pages`` is the limit past which growing traps).
 
     ``base`` (memory bytes, pages) is a previous turn's memory to start from (see sessions.py)."""
     minimum, maximum = program.memory or (0, 0)
-    limit = min(memory_pages, 65536 if maximum is None else maximum)
+    maximum = 65536 if maximum is None else maximum
+    limit = min(memory_pages, maximum)
     if base is not None:
         if not program.memory:
             raise Unsupported("a memory to take the session's memory")
@@ -142,7 +144,7 @@ def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
         if offset + len(payload) > minimum * machine.PAGE_BYTES:
             raise Unsupported("data segment does not fit in memory")
         memory[offset : offset + len(payload)] = np.frombuffer(payload, np.uint8)
-    return memory, minimum, limit
+    return memory, minimum, maximum
 
 
 def code_image(program: Program, code_length: int) -> np.ndarray:
@@ -182,6 +184,7 @@ class Instance:
         self.program = program
         self.globals = initial_globals(program)
         memory, self.pages, self.max_pages = initial_memory(program, memory_pages, _bucket(memory_pages, 1))
+        self.memory_limit = memory_pages
         self.memory = jax.numpy.asarray(memory[None])  # stays on the device between invocations
         code_length = _bucket(len(program.code), 256)
         self.code = code_image(program, code_length)[None]
@@ -248,6 +251,7 @@ class Instance:
         return machine.MachineState(
             pc=one(code.entry), fp=one(base), depth=one(0), status=one(Status.RUNNING), trap=one(0),
             fuel=one(max_instructions), executed=one(0), pages=one(self.pages), max_pages=one(self.max_pages),
+            page_limit=one(self.memory_limit),
             branches=one(0), tracing=one(int(self.shape.trace_entries > 0)), traced=one(0),
             registers=jax.numpy.asarray(registers), memory=self.memory,
             trace=np.zeros((1, self.shape.trace_entries + 1, 4), np.int32),

@@ -50,7 +50,8 @@ class MachineState(NamedTuple):
     fuel: jax.Array
     executed: jax.Array
     pages: jax.Array
-    max_pages: jax.Array
+    max_pages: jax.Array  # the module's maximum: growing past it gives -1, as the spec says
+    page_limit: jax.Array  # the configured limit: growing past it (within the maximum) is a trap
     branches: jax.Array  # branches taken
     tracing: jax.Array  # 1: write a trace row per executed record (shape.trace_entries > 0)
     traced: jax.Array  # trace rows written
@@ -59,7 +60,7 @@ class MachineState(NamedTuple):
     trace: jax.Array  # [slots, trace_entries + 1, 4] int32 rows (pc, op, value low, value high); the last absorbs
 
 
-SCALAR_FIELDS = MachineState._fields[:12]
+SCALAR_FIELDS = MachineState._fields[:13]
 SCALAR = {name: index for index, name in enumerate(SCALAR_FIELDS)}
 
 
@@ -277,6 +278,7 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
         executed=jnp.where(commit, state.executed + record.cost, state.executed),
         pages=jnp.where(commit, grow[1], state.pages),
         max_pages=state.max_pages,
+        page_limit=state.page_limit,
         branches=state.branches + taken,
         tracing=state.tracing,
         traced=state.traced + trace_row_written,
@@ -324,10 +326,12 @@ def _trap(state, record, x, y, out_of_bounds, shape) -> jax.Array:
         y[1] == U32(0xFFFFFFFF))
     call_overflow = (op == Op.CALL) & ((state.depth >= shape.max_depth)
                                        | (state.fp + record.b + record.imm2 > shape.registers))
+    within_maximum = x[0] <= (state.max_pages - state.pages).astype(U32)
+    over_limit = (op == Op.MGROW) & within_maximum & (x[0] > (state.page_limit - state.pages).astype(U32))
     trap = jnp.full_like(op, Trap.NONE)
     for condition, code in ((op == Op.UNREACHABLE, Trap.UNREACHABLE), (by_zero, Trap.DIVIDE_BY_ZERO),
                             (overflow32 | overflow64, Trap.OVERFLOW), (out_of_bounds, Trap.OUT_OF_BOUNDS),
-                            (call_overflow, Trap.STACK_EXHAUSTED)):
+                            (call_overflow, Trap.STACK_EXHAUSTED), (over_limit, Trap.MEMORY_LIMIT)):
         trap = jnp.where(condition & (trap == Trap.NONE), code, trap)
     return trap
 
@@ -356,7 +360,7 @@ def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Arr
 
 
 def _pack(state: MachineState) -> jax.Array:
-    """The per-slot scalars as one [slots, 12] array: the loop updates them in one kernel, not twelve."""
+    """The per-slot scalars as one [slots, 13] array: the loop updates them in one kernel, not thirteen."""
     return jnp.stack([getattr(state, name) for name in SCALAR_FIELDS], axis=1)
 
 

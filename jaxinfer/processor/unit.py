@@ -98,7 +98,8 @@ class ExecUnit:
         return functools.partial(advance_in_step, steps=self.steps, shape=self.shape)
 
     def prepare(self, compiled: CompiledModule, max_instructions: int,
-                memory: tuple[bytes, int] | None = None, trace: bool = False) -> SlotImage:
+                memory: tuple[bytes, int] | None = None, trace: bool = False,
+                memory_pages: int | None = None) -> SlotImage:
         """The slot image for the module's entry point, starting from ``memory`` (bytes, pages) when
         given; raises Unsupported when it cannot run here."""
         program = compiled.program
@@ -114,9 +115,10 @@ class ExecUnit:
         if code.params or len(code.results) > RESULT_REGISTERS:
             raise Unsupported(f"{entry} with parameters or more than {RESULT_REGISTERS} results")
         globals_ = initial_globals(program)
-        memory, pages, max_pages = initial_memory(program, self.shape.memory_pages, self.shape.memory_pages, memory)
+        limit = self.shape.memory_pages if memory_pages is None else min(memory_pages, self.shape.memory_pages)
+        memory, pages, max_pages = initial_memory(program, limit, self.shape.memory_pages, memory)
         scalars = np.array([code.entry, len(globals_), 0, Status.RUNNING, Trap.NONE, max_instructions, 0, pages,
-                            max_pages, 0, int(trace and self.shape.trace_entries > 0), 0], np.int32)
+                            max_pages, limit, 0, int(trace and self.shape.trace_entries > 0), 0], np.int32)
         registers = initial_registers(globals_, code, [], self.shape.registers)
         return SlotImage(code_image(program, self.shape.code_length), registers, memory, scalars, code.results)
 

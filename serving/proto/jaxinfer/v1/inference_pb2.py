@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)serving/proto/jaxinfer/v1/inference.proto\x12\x0bjaxinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\nPromptPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x11\n\x07special\x18\x02 \x01(\tH\x00\x42\x06\n\x04part\"5\n\x0bPromptParts\x12&\n\x05parts\x18\x01 \x03(\x0b\x32\x17.jaxinfer.v1.PromptPart\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x08Messages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\x8a\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x1d\n\x10num_draft_tokens\x18\x0c \x01(\rH\x07\x88\x01\x01\x12\x0c\n\x04\x65xec\x18\r \x01(\x08\x12\"\n\x15\x65xec_max_instructions\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x12\n\nexec_files\x18\x0f \x03(\t\x12\x14\n\x0c\x65xec_session\x18\x10 \x01(\t\x12\x12\n\nexec_trace\x18\x11 \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x13\n\x11_num_draft_tokensB\x18\n\x16_exec_max_instructions\"\xec\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.MessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12)\n\x05parts\x18\x04 \x01(\x0b\x32\x18.jaxinfer.v1.PromptPartsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x15\n\rforged_tokens\x18\x07 \x01(\r\"Q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.MessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rforged_tokens\x18\x02 \x01(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\xb1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12.\n\x04mesh\x18\x04 \x03(\x0b\x32 .jaxinfer.v1.ModelInfo.MeshEntry\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.jaxinfer.v1.ModelInfo\"m\n\x0ePrefillRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xaf\x01\n\x0fPrefillResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x14\n\x0cstored_pages\x18\x03 \x01(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12\x0c\n\x04text\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbd\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12M\n\nListModels\x12\x1e.jaxinfer.v1.ListModelsRequest\x1a\x1f.jaxinfer.v1.ListModelsResponse2Q\n\tKVChannel\x12\x44\n\x07Prefill\x12\x1b.jaxinfer.v1.PrefillRequest\x1a\x1c.jaxinfer.v1.PrefillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)serving/proto/jaxinfer/v1/inference.proto\x12\x0bjaxinfer.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"7\n\nPromptPart\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12\x11\n\x07special\x18\x02 \x01(\tH\x00\x42\x06\n\x04part\"5\n\x0bPromptParts\x12&\n\x05parts\x18\x01 \x03(\x0b\x32\x17.jaxinfer.v1.PromptPart\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"6\n\x08Messages\x12*\n\x08messages\x18\x01 \x03(\x0b\x32\x18.jaxinfer.v1.ChatMessage\"\xba\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x06\x88\x01\x01\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x1d\n\x10num_draft_tokens\x18\x0c \x01(\rH\x07\x88\x01\x01\x12\x0c\n\x04\x65xec\x18\r \x01(\x08\x12\"\n\x15\x65xec_max_instructions\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x12\n\nexec_files\x18\x0f \x03(\t\x12\x14\n\x0c\x65xec_session\x18\x10 \x01(\t\x12\x12\n\nexec_trace\x18\x11 \x01(\t\x12!\n\x14\x65xec_timeout_seconds\x18\x12 \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x65xec_memory_pages\x18\x13 \x01(\rH\n\x88\x01\x01\x12\"\n\x15\x65xec_max_trace_tokens\x18\x14 \x01(\rH\x0b\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_min_tokensB\x13\n\x11_num_draft_tokensB\x18\n\x16_exec_max_instructionsB\x17\n\x15_exec_timeout_secondsB\x14\n\x12_exec_memory_pagesB\x18\n\x16_exec_max_trace_tokens\"\xec\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.MessagesH\x00\x12*\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x15.jaxinfer.v1.TokenIdsH\x00\x12)\n\x05parts\x18\x04 \x01(\x0b\x32\x18.jaxinfer.v1.PromptPartsH\x00\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x06 \x01(\tB\x08\n\x06prompt\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x30\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage\x12\x15\n\rforged_tokens\x18\x07 \x01(\r\"Q\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x15.jaxinfer.v1.MessagesH\x00\x42\x07\n\x05input\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rforged_tokens\x18\x02 \x01(\r\"C\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x1b\n\x13skip_special_tokens\x18\x02 \x01(\x08\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x13\n\x11ListModelsRequest\"\xb1\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\r\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12.\n\x04mesh\x18\x04 \x03(\x0b\x32 .jaxinfer.v1.ModelInfo.MeshEntry\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x1a+\n\tMeshEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.jaxinfer.v1.ModelInfo\"m\n\x0ePrefillRequest\x12\x18\n\x10prompt_token_ids\x18\x01 \x03(\x05\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.jaxinfer.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\xaf\x01\n\x0fPrefillResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x14\n\x0cstored_pages\x18\x03 \x01(\r\x12\x30\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x19.jaxinfer.v1.FinishReason\x12\x0c\n\x04text\x18\x05 \x01(\t\x12!\n\x05usage\x18\x06 \x01(\x0b\x32\x12.jaxinfer.v1.Usage*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbd\x02\n\tInference\x12I\n\x08Generate\x12\x1c.jaxinfer.v1.GenerateRequest\x1a\x1d.jaxinfer.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.jaxinfer.v1.TokenizeRequest\x1a\x1d.jaxinfer.v1.TokenizeResponse\x12M\n\nDetokenize\x12\x1e.jaxinfer.v1.DetokenizeRequest\x1a\x1f.jaxinfer.v1.DetokenizeResponse\x12M\n\nListModels\x12\x1e.jaxinfer.v1.ListModelsRequest\x1a\x1f.jaxinfer.v1.ListModelsResponse2Q\n\tKVChannel\x12\x44\n\x07Prefill\x12\x1b.jaxinfer.v1.PrefillRequest\x1a\x1c.jaxinfer.v1.PrefillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MODELINFO_MESHENTRY']._loaded_options = None
   _globals['_MODELINFO_MESHENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2145
-  _globals['_FINISHREASON']._serialized_end=2265
+  _globals['_FINISHREASON']._serialized_start=2321
+  _globals['_FINISHREASON']._serialized_end=2441
   _globals['_CHATMESSAGE']._serialized_start=58
   _globals['_CHATMESSAGE']._serialized_end=102
   _globals['_PROMPTPART']._serialized_start=104
@@ -46,35 +46,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MESSAGES']._serialized_start=241
   _globals['_MESSAGES']._serialized_end=295
   _globals['_SAMPLINGPARAMS']._serialized_start=298
-  _globals['_SAMPLINGPARAMS']._serialized_end=820
-  _globals['_GENERATEREQUEST']._serialized_start=823
-  _globals['_GENERATEREQUEST']._serialized_end=1059
-  _globals['_USAGE']._serialized_start=1061
-  _globals['_USAGE']._serialized_end=1141
-  _globals['_GENERATERESPONSE']._serialized_start=1144
-  _globals['_GENERATERESPONSE']._serialized_end=1341
-  _globals['_TOKENIZEREQUEST']._serialized_start=1343
-  _globals['_TOKENIZEREQUEST']._serialized_end=1424
-  _globals['_TOKENIZERESPONSE']._serialized_start=1426
-  _globals['_TOKENIZERESPONSE']._serialized_end=1486
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1488
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1555
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1557
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1591
-  _globals['_LISTMODELSREQUEST']._serialized_start=1593
-  _globals['_LISTMODELSREQUEST']._serialized_end=1612
-  _globals['_MODELINFO']._serialized_start=1615
-  _globals['_MODELINFO']._serialized_end=1792
-  _globals['_MODELINFO_MESHENTRY']._serialized_start=1749
-  _globals['_MODELINFO_MESHENTRY']._serialized_end=1792
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1794
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1854
-  _globals['_PREFILLREQUEST']._serialized_start=1856
-  _globals['_PREFILLREQUEST']._serialized_end=1965
-  _globals['_PREFILLRESPONSE']._serialized_start=1968
-  _globals['_PREFILLRESPONSE']._serialized_end=2143
-  _globals['_INFERENCE']._serialized_start=2268
-  _globals['_INFERENCE']._serialized_end=2585
-  _globals['_KVCHANNEL']._serialized_start=2587
-  _globals['_KVCHANNEL']._serialized_end=2668
+  _globals['_SAMPLINGPARAMS']._serialized_end=996
+  _globals['_GENERATEREQUEST']._serialized_start=999
+  _globals['_GENERATEREQUEST']._serialized_end=1235
+  _globals['_USAGE']._serialized_start=1237
+  _globals['_USAGE']._serialized_end=1317
+  _globals['_GENERATERESPONSE']._serialized_start=1320
+  _globals['_GENERATERESPONSE']._serialized_end=1517
+  _globals['_TOKENIZEREQUEST']._serialized_start=1519
+  _globals['_TOKENIZEREQUEST']._serialized_end=1600
+  _globals['_TOKENIZERESPONSE']._serialized_start=1602
+  _globals['_TOKENIZERESPONSE']._serialized_end=1662
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1664
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1731
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1733
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1767
+  _globals['_LISTMODELSREQUEST']._serialized_start=1769
+  _globals['_LISTMODELSREQUEST']._serialized_end=1788
+  _globals['_MODELINFO']._serialized_start=1791
+  _globals['_MODELINFO']._serialized_end=1968
+  _globals['_MODELINFO_MESHENTRY']._serialized_start=1925
+  _globals['_MODELINFO_MESHENTRY']._serialized_end=1968
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1970
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2030
+  _globals['_PREFILLREQUEST']._serialized_start=2032
+  _globals['_PREFILLREQUEST']._serialized_end=2141
+  _globals['_PREFILLRESPONSE']._serialized_start=2144
+  _globals['_PREFILLRESPONSE']._serialized_end=2319
+  _globals['_INFERENCE']._serialized_start=2444
+  _globals['_INFERENCE']._serialized_end=2761
+  _globals['_KVCHANNEL']._serialized_start=2763
+  _globals['_KVCHANNEL']._serialized_end=2844
 # @@protoc_insertion_point(module_scope)
