@@ -217,6 +217,9 @@ class EngineConfig:
         for name in exec_limits if self.exec_slots else ():
             if getattr(self, name) <= 0:
                 raise ConfigError(f"engine.{name} must be positive, got {getattr(self, name)}")
+        if self.exec_max_instructions > 2**31 - 1:
+            raise ConfigError(f"engine.exec_max_instructions must be at most {2**31 - 1}, got "
+                              f"{self.exec_max_instructions}")
         if not 0 <= self.exec_slots <= 1024:
             raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
         if self.attention_backend not in ("auto", "reference"):

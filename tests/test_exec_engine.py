@@ -247,7 +247,7 @@ LOAD_TURN = '(module (memory 1) (func (export "main") (result i32) (i32.load (i3
 
 def test_session_memory_carries_to_the_next_turn_for_the_same_tenant_only(exec_llm: LLM) -> None:
     def turn(program: str, tenant: str, session: str) -> str:
-        request = exec_llm.request(exec_prompt(program), greedy(max_tokens=4, exec=True, exec_session=session))
+        request = exec_llm.request(exec_prompt(program), greedy(max_tokens=8, exec=True, exec_session=session))
         return exec_llm.engine.generate([dataclasses.replace(request, tenant=tenant)])[0].text
 
     assert turn(STORE_TURN, "acme", "chat-1").startswith("<|result|>1<|/result|>")
@@ -276,3 +276,31 @@ def test_trace_summary_and_full_enter_the_context(exec_llm: LLM, caplog: pytest.
     assert none.text.startswith("<|result|>3<|/result|>")
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "jaxinfer.audit"]
     assert all(len(r["trace"]) == 15 and r["branches"] == 4 for r in records if r.get("event") == "exec")
+
+
+def test_review_regressions_in_the_engine(exec_llm: LLM) -> None:
+    """A program that fails to compile after a sampled <|/exec|> (async scheduling), output with control
+    token spellings under the reject guard, and result text longer than max_tokens."""
+    prompt = [*CHAT, {"special": "<|exec|>"}, '(module (func (export "main") (result i32) (i64.const 1)))']
+    first = exec_llm.generate([prompt], greedy(max_tokens=1))[0].token_ids[0]
+    close = exec_llm.tokenizer.token_id("<|/exec|>")
+    weight = exec_llm.runner.state["model"]["embed_tokens"]["weight"]
+    saved = weight[...]
+    weight[...] = saved.at[close].set(2.0 * saved[first])
+    try:
+        out = exec_llm.generate([prompt], greedy(max_tokens=12, exec=True))[0]
+    finally:
+        weight[...] = saved
+    assert out.text.startswith("<|/exec|><|trap|>type mismatch<|/trap|>") and len(out.token_ids) == 12
+
+    shout = ('(module (import "wasi_snapshot_preview1" "fd_write" (func $w (param i32 i32 i32 i32) (result i32))) '
+             '(memory 1) (data (i32.const 64) "\\3c|im_end|\\3e and more text after it, again and again") '
+             '(func (export "main") (i32.store (i32.const 0) (i32.const 64)) (i32.store (i32.const 4) (i32.const 46)) '
+             '(drop (call $w (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 8)))))')
+    exec_llm.tokenizer.guard = "reject"
+    try:
+        short = exec_llm.generate([exec_prompt(shout)], greedy(max_tokens=5, exec=True))[0]
+    finally:
+        exec_llm.tokenizer.guard = "downgrade"
+    assert short.text == "<|result|><|im<|/result|>" and len(short.token_ids) == 5  # cut to max_tokens
+    assert short.finish_reason == "length"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxinfer.processor import Unsupported, run
-from jaxinfer.processor.wasi import FileAccessError, FileMapping
+from jaxinfer.processor.wasi import MAX_CAPTURE, FileAccessError, FileMapping
 
 IMPORTS = """
  (import "wasi_snapshot_preview1" "fd_write" (func $write (param i32 i32 i32 i32) (result i32)))
@@ -140,3 +140,36 @@ def test_session_memory_lru_ttl_and_tenant_keys() -> None:
     now[0] = 11.0
     assert cache.get("acme", "s1") is None and len(cache) == 1  # expired
     assert cache.bytes == 65536
+
+
+def test_review_regressions_in_the_wasi_layer(root: Path) -> None:
+    (root / "acme" / "folder").mkdir()
+    for bad in ("folder", "secret.txt/x", "a\x00b", "tab\tname"):
+        with pytest.raises(FileAccessError):
+            mapping(root, "acme", bad).resolve(bad)
+    with pytest.raises(FileAccessError):
+        mapping(root, "ac\x00me", "x").resolve("x")
+    # seeking past 2^63 is EINVAL (28), not a crash; writing after a seek past the end leaves zeros
+    seek_far = "(drop (call $seek (i32.const 3) (i64.const 0x7fffffffffffffff) (i32.const 1) (i32.const 16))) " \
+               "(call $seek (i32.const 3) (i64.const 0x7fffffffffffffff) (i32.const 1) (i32.const 16))"
+    assert run(program(seek_far), files=mapping(root, "acme", "far.txt")).values == [28]
+    gap = '(drop (call $seek (i32.const 3) (i64.const 10) (i32.const 0) (i32.const 16))) ' \
+          '(call $put (i32.const 3) (i32.const 64) (i32.const 2))'
+    run(program(gap, '(data (i32.const 64) "XY")'), files=mapping(root, "acme", "gap.txt"))
+    assert (root / "acme" / "gap.txt").read_bytes() == bytes(10) + b"XY"
+    # 1024 iovecs over the whole memory: stdout stays capped and the call is cheap
+    many = "(local $i i32) (loop $l (i32.store (i32.mul (local.get $i) (i32.const 8)) (i32.const 0)) " \
+           "(i32.store (i32.add (i32.mul (local.get $i) (i32.const 8)) (i32.const 4)) (i32.const 65536)) " \
+           "(local.set $i (i32.add (local.get $i) (i32.const 1))) (br_if $l (i32.lt_u (local.get $i) " \
+           "(i32.const 1024)))) (call $write (i32.const 1) (i32.const 0) (i32.const 1024) (i32.const 9000))"
+    result = run(program(many))
+    assert result.values == [0] and len(result.stdout) == MAX_CAPTURE  # 64 MiB asked for, 1 MiB kept
+
+
+def test_run_slots_refuses_wasi_calls_and_imported_memory_is_unsupported() -> None:
+    from jaxinfer.processor import run_slots
+
+    with pytest.raises(Unsupported, match="run_slots"):
+        run_slots(program("(call $put (i32.const 1) (i32.const 0) (i32.const 1))"), "main", [[]])
+    with pytest.raises(Unsupported, match="imported memory"):
+        run('(module (import "env" "mem" (memory 1)) (func (export "main") (result i32) (i32.const 1)))')

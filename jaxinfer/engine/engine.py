@@ -106,7 +106,11 @@ class Engine:
         return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg.exec_max_instructions,
                         self.cfg.exec_timeout_seconds, self._append_forced, self._file_mapping,
                         SessionMemory(self.cfg.exec_session_bytes, self.cfg.exec_session_ttl_seconds),
-                        self.cfg.exec_max_trace_tokens)
+                        self.cfg.exec_max_trace_tokens, self._room)
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens a sequence may still receive: what max_tokens and max_model_len leave."""
+        return max(0, min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_known))
 
     def _file_mapping(self, seq: Sequence) -> FileMapping | None:
         """The files a request's programs see: its tenant's namespace under engine.exec_files_root."""
@@ -136,7 +140,7 @@ class Engine:
         try:
             for path in mapping.paths:
                 mapping.resolve(path)
-        except FileAccessError as error:
+        except FileAccessError as error:  # resolve turns every OS complaint into FileAccessError
             raise RequestError(str(error)) from error
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:

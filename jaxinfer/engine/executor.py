@@ -35,6 +35,7 @@ from jaxinfer.tokenizer import Tokenizer
 
 audit = logging.getLogger("jaxinfer.audit")
 DEFAULT_TENANT = "default"
+MAX_CHARS_PER_TOKEN = 32  # result text is cut to this many characters per token of room before it is encoded
 
 
 @dataclass
@@ -54,7 +55,9 @@ class Executor:
     def __init__(self, unit: ExecUnit, tokens: ExecTokens, tokenizer: Tokenizer, max_instructions: int,
                  timeout_seconds: float, append_forced: Callable[[Sequence, list[int]], None],
                  files: Callable[[Sequence], FileMapping | None] = lambda seq: None,
-                 sessions: SessionMemory | None = None, max_trace_tokens: int = 256) -> None:
+                 sessions: SessionMemory | None = None, max_trace_tokens: int = 256,
+                 room: Callable[[Sequence], int] = lambda seq: 1 << 30) -> None:
+        self.room = room  # tokens a sequence may still receive (max_tokens, max_model_len)
         self.max_trace_tokens = max_trace_tokens
         self.unit, self.tokens, self.tokenizer = unit, tokens, tokenizer
         self.sessions = sessions or SessionMemory(64 << 20, 3600.0)
@@ -86,6 +89,8 @@ class Executor:
         for seq in list(self.pending):
             if seq.finish_reason is not None:
                 self.pending.remove(seq)
+                continue
+            if seq.inflight:  # the sample drawn after <|/exec|> must be dropped before anything is appended
                 continue
             if not self.unit.free:
                 return
@@ -161,7 +166,11 @@ class Executor:
         self._release(slot)
         files: dict[str, bytes] = {}
         if trap is None:
-            files = run.syscalls.commit()
+            try:
+                files = run.syscalls.commit()
+            except OSError as error:
+                trap = f"file commit failed: {error.strerror or error}"
+        if trap is None:
             session = self._session_key(run.seq)
             if session is not None:
                 self.sessions.put(*session, memory, int(scalars[SCALAR["pages"]]))
@@ -212,7 +221,9 @@ class Executor:
             return
         opening, closing = ((self.tokens.trap_open, self.tokens.trap_close) if trap
                             else (self.tokens.result_open, self.tokens.result_close))
-        self.append_forced(seq, [opening, *self.tokenizer.encode_user(text, field="exec result"), closing])
+        room = self.room(seq)
+        content = self.tokenizer.encode_plain(text[: max(0, room - 2) * MAX_CHARS_PER_TOKEN])[: max(0, room - 2)]
+        self.append_forced(seq, [opening, *content, closing][:room])
 
     def _reject(self, seq: Sequence, source_hash: str, message: str) -> None:
         """A program that could not start (malformed, invalid, unsupported, a bad file mapping)."""

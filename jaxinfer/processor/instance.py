@@ -8,6 +8,7 @@ through ``machine.advance`` in chunks, checking the wall-clock limit between chu
 from __future__ import annotations
 
 import functools
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +67,8 @@ def serve_host_call(code: np.ndarray, scalars: np.ndarray, registers: np.ndarray
         return HostCallOutcome(False, exit_code=exit_.code)
     except QuotaExceeded:
         return HostCallOutcome(False, trap=Trap.QUOTA.message)
+    except (OSError, ValueError, OverflowError, struct.error) as error:  # never out of the engine's step
+        return HostCallOutcome(False, trap=f"host call {SYSCALL_NAMES[number]} failed: {error}")
     if int(record[FIELD["dst"]]) != NO_WRITE:
         registers[fp + int(record[FIELD["dst"]])] = (errno, 0)
     scalars[_SCALAR["pc"]] = pc + 1
@@ -271,7 +274,12 @@ class Instance:
             for index, value_type in enumerate(code.results):
                 low, high = (int(word) for word in registers[base + index])
                 values.append(low if value_type == "i" else low | high << 32)
-        written = syscalls.commit() if trap is None else {}
+        written = {}
+        if trap is None:
+            try:
+                written = syscalls.commit()
+            except OSError as error:
+                trap = f"file commit failed: {error.strerror or error}"
         executed = int(state.executed[0])
         trace = trace_lines(np.asarray(state.trace[0])[: int(state.traced[0])])
         return ExecResult(values, trap, executed, bytes(syscalls.stdout), written, int(state.branches[0]), trace)
@@ -297,6 +305,8 @@ def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *,
     if function in compiled.program.unsupported:
         raise Unsupported(compiled.program.unsupported[function])
     code = compiled.program.functions[function]
+    if (compiled.program.code[:, FIELD["op"]] == Op.HOSTCALL).any():
+        raise Unsupported("WASI calls in run_slots (use run or Instance, which serve them)")
     states = [instance._initial_state(code, list(args), max_instructions)
               for instance, args in zip(instances, args_per_slot, strict=True)]
     state = jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *states)

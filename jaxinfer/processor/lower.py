@@ -109,8 +109,8 @@ class _FunctionLowering:
         return 1 + self.locals + height
 
     def set_height(self, height: int) -> None:
-        for index in [index for index in self.aliases if index >= height]:
-            del self.aliases[index]
+        for index in range(height, self.height) if self.aliases else ():
+            self.aliases.pop(index, None)
         self.height = height
         self.max_height = max(self.max_height, height)
 
@@ -527,6 +527,8 @@ def lower(module: Module) -> Program:
 def _globals(module: Module) -> tuple[list[tuple[str, bool]], list[int]]:
     if module.imported("global"):
         raise Unsupported("imported global")
+    if module.imported("memory") or module.imported("table"):
+        raise Unsupported(f"imported {'memory' if module.imported('memory') else 'table'}")
     types, inits = [], []
     for entry in module.globals:
         if entry.value_type in "fF":

@@ -181,7 +181,7 @@ def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pa
     wrapped = address < x[0]
     limit = (state.pages * PAGE_BYTES).astype(U32)
     out_of_bounds = (is_load | is_store) & (wrapped | (address > limit - width.astype(U32)) | (limit < width))
-    address = jnp.where(out_of_bounds, U32(0), address).astype(jnp.int32)
+    address = jnp.where(out_of_bounds | ~(is_load | is_store), U32(0), address).astype(jnp.int32)
     lanes = jnp.arange(8, dtype=jnp.int32)
     positions = address[:, None] + lanes[None, :]
     raw = jnp.take_along_axis(state.memory, positions, axis=1).astype(U32)

@@ -15,6 +15,7 @@ trap.
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import tempfile
 from dataclasses import dataclass, field
@@ -36,6 +37,11 @@ SYSCALL_NAMES = {number: name for name, (number, _, _) in SYSCALLS.items()}
 ERRNO_SUCCESS, ERRNO_BADF, ERRNO_INVAL, ERRNO_FAULT, ERRNO_SPIPE = 0, 8, 28, 21, 70
 STDIN, STDOUT, STDERR, FIRST_FILE = 0, 1, 2, 3
 MAX_CAPTURE = 1 << 20  # bytes of stdout/stderr kept per program
+MAX_FILE_BYTES = 1 << 32  # furthest a descriptor may seek (writes are bounded by the quota anyway)
+
+
+def _clean_name(name: str) -> bool:
+    return bool(name) and all(character.isprintable() for character in name)
 
 
 class FileAccessError(ValueError):
@@ -75,16 +81,24 @@ class FileMapping:
         return self.root / self.tenant
 
     def resolve(self, relative: str) -> Path:
-        """The file for ``relative``, refusing absolute paths, ``..`` and links out of the tenant's folder."""
-        if not self.tenant or "/" in self.tenant or self.tenant in (".", ".."):
+        """The file for ``relative``, refusing absolute paths, ``..``, control characters, links out of the
+        tenant's folder and anything that is not a regular file (or absent, to be created)."""
+        if not _clean_name(self.tenant) or "/" in self.tenant or self.tenant in (".", ".."):
             raise FileAccessError(f"tenant {self.tenant!r}: not a valid namespace name")
         candidate = Path(relative)
-        if not relative or candidate.is_absolute() or ".." in candidate.parts:
+        if not _clean_name(relative) or candidate.is_absolute() or ".." in candidate.parts:
             raise FileAccessError(f"exec_files: {relative!r} must be a relative path without '..'")
-        folder = self.folder.resolve()
-        target = (folder / candidate).resolve()
-        if folder not in target.parents:
-            raise FileAccessError(f"exec_files: {relative!r} leaves the tenant's folder")
+        try:
+            folder = self.folder.resolve()
+            target = (folder / candidate).resolve()
+            if folder not in target.parents:
+                raise FileAccessError(f"exec_files: {relative!r} leaves the tenant's folder")
+            if target.exists() and not target.is_file():
+                raise FileAccessError(f"exec_files: {relative!r} is not a regular file")
+            if any(parent.exists() and not parent.is_dir() for parent in target.parents):
+                raise FileAccessError(f"exec_files: {relative!r} is under a file, not a folder")
+        except (OSError, ValueError) as error:
+            raise FileAccessError(f"exec_files: {relative!r}: {error}") from error
         return target
 
     def used_bytes(self) -> int:
@@ -119,24 +133,26 @@ class Syscalls:
     # -- the calls ----------------------------------------------------------------------------
 
     def fd_write(self, memory: np.ndarray, fd: int, iovs: int, count: int, written_at: int) -> int:
-        chunks = _gather(memory, iovs, count)
-        if chunks is None:
+        vectors = _vectors(memory, iovs, count)
+        if vectors is None or any(buffer + length > memory.size - 8 for buffer, length in vectors):
             return ERRNO_FAULT
-        data = b"".join(chunks)
+        total = sum(length for _, length in vectors)
         if fd in (STDOUT, STDERR):
             sink = self.stdout if fd == STDOUT else self.stderr
-            sink += data[: max(0, MAX_CAPTURE - len(sink))]
+            sink += _gather(memory, vectors, max(0, MAX_CAPTURE - len(sink)))  # the rest is dropped
         else:
             handle = self._open(fd)
             if handle is None:
                 return ERRNO_BADF
-            end = handle.position + len(data)
+            end = handle.position + total
             growth = max(0, end - len(handle.data))
             if growth and self._staged_bytes() + growth + self._committed_elsewhere() > self.mapping.quota_bytes:
                 raise QuotaExceeded(f"tenant quota of {self.mapping.quota_bytes} bytes exceeded")
-            handle.data[handle.position : end] = data
+            if handle.position > len(handle.data):  # written past the end after a seek: the gap reads as zeros
+                handle.data.extend(bytes(handle.position - len(handle.data)))
+            handle.data[handle.position : end] = _gather(memory, vectors, total)
             handle.position, handle.dirty = end, True
-        return _store_u32(memory, written_at, len(data))
+        return _store_u32(memory, written_at, total)
 
     def fd_read(self, memory: np.ndarray, fd: int, iovs: int, count: int, read_at: int) -> int:
         handle = self._open(fd) if fd >= FIRST_FILE else None
@@ -144,8 +160,11 @@ class Syscalls:
             return _store_u32(memory, read_at, 0)
         if handle is None:
             return ERRNO_BADF
+        vectors = _vectors(memory, iovs, count)
+        if vectors is None:
+            return ERRNO_FAULT
         total = 0
-        for buffer, length in _vectors(memory, iovs, count) or []:
+        for buffer, length in vectors:
             chunk = handle.data[handle.position : handle.position + length]
             if buffer + len(chunk) > memory.size - 8:
                 return ERRNO_FAULT
@@ -162,11 +181,11 @@ class Syscalls:
             return ERRNO_BADF
         offset = offset - (1 << 64) if offset >= 1 << 63 else offset
         base = {0: 0, 1: handle.position, 2: len(handle.data)}.get(whence)
-        if base is None or base + offset < 0:
+        if base is None or not 0 <= base + offset <= MAX_FILE_BYTES:
             return ERRNO_INVAL
-        handle.position = base + offset
         if position_at + 8 > memory.size - 8:
             return ERRNO_FAULT
+        handle.position = base + offset
         memory[position_at : position_at + 8] = np.frombuffer(struct.pack("<Q", handle.position), np.uint8)
         return ERRNO_SUCCESS
 
@@ -198,15 +217,25 @@ class Syscalls:
         return self.mapping.used_bytes() - mapped
 
     def commit(self) -> dict[str, bytes]:
-        """Writes every changed file atomically; returns them by mapped path."""
+        """Writes every changed file atomically (a synced temporary file, then ``os.replace``, keeping an
+        existing file's mode); returns them by mapped path. An OSError leaves no temporary file behind."""
         written: dict[str, bytes] = {}
         for fd, handle in self.files.items():
             if not handle.dirty:
                 continue
             handle.path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=handle.path.parent, delete=False, prefix=".staged-") as staged:
-                staged.write(handle.data)
-            os.replace(staged.name, handle.path)
+            descriptor, staged = tempfile.mkstemp(dir=handle.path.parent, prefix=".staged-")
+            try:
+                with os.fdopen(descriptor, "wb") as out:
+                    out.write(handle.data)
+                    out.flush()
+                    os.fsync(out.fileno())
+                if handle.path.exists():
+                    shutil.copymode(handle.path, staged)
+                os.replace(staged, handle.path)
+            except OSError:
+                Path(staged).unlink(missing_ok=True)
+                raise
             written[self.mapping.paths[fd - FIRST_FILE]] = bytes(handle.data)
         return written
 
@@ -218,11 +247,16 @@ def _vectors(memory: np.ndarray, iovs: int, count: int) -> list[tuple[int, int]]
     return [struct.unpack_from("<II", raw, 8 * index) for index in range(count)]
 
 
-def _gather(memory: np.ndarray, iovs: int, count: int) -> list[bytes] | None:
-    vectors = _vectors(memory, iovs, count)
-    if vectors is None or any(buffer + length > memory.size - 8 for buffer, length in vectors):
-        return None
-    return [memory[buffer : buffer + length].tobytes() for buffer, length in vectors]
+def _gather(memory: np.ndarray, vectors: list[tuple[int, int]], limit: int) -> bytes:
+    """The bytes the vectors point at (already bounds-checked), at most ``limit`` of them."""
+    parts, left = [], limit
+    for buffer, length in vectors:
+        take = min(length, left)
+        parts.append(memory[buffer : buffer + take].tobytes())
+        left -= take
+        if left <= 0:
+            break
+    return b"".join(parts)
 
 
 def _store_u32(memory: np.ndarray, address: int, value: int) -> int:

@@ -115,6 +115,11 @@ class Tokenizer:
     def _encode_plain(self, text: str) -> list[int]:
         return self._user_segmented.encode(text) if text else []
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Text the engine writes from untrusted content (a program's output): control-token spellings
+        stay plain text, and nothing is refused or counted (it is not the user's input)."""
+        return self._encode_plain(text)
+
     def encode_trusted(self, text: str) -> list[int]:
         """Engine- or template-written text: special tokens in it become their ids."""
         return self._trusted.encode(text, add_special_tokens=False).ids
