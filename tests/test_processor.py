@@ -23,6 +23,7 @@ from jaxinfer.processor import (
 )
 
 SPEC_FILES = sorted((Path(__file__).parent / "data" / "wasm").glob("*.wast"))
+MAIN_SPEC_FILES = sorted((Path(__file__).parent / "data" / "wasm-main").glob("*.wast"))
 
 
 @pytest.mark.parametrize("wast", SPEC_FILES, ids=lambda path: path.stem)
@@ -33,6 +34,20 @@ def test_spec_file_has_no_failures(wast: Path) -> None:
     skipped_reasons = {note.split("skipped: ")[1] for note in report.notes if "skipped: " in note}
     allowed = ("float", "function needs f", "function needs call_indirect", "module needs call_indirect")
     assert all(reason.startswith(allowed) for reason in skipped_reasons), skipped_reasons
+
+
+@pytest.mark.parametrize("wast", MAIN_SPEC_FILES, ids=lambda path: path.stem)
+def test_current_spec_suite_files_have_no_failures(wast: Path) -> None:
+    report = spec.run_file(wast)
+    assert report.counts["failed"] == 0, report.notes
+    assert report.counts["passed"] > 0
+
+
+def test_a_file_wast2json_cannot_convert_is_a_skip_not_a_crash(tmp_path: Path) -> None:
+    bad = tmp_path / "later.wast"
+    bad.write_text("(module (table $t (ref null $t) (elem)))\n")
+    report = spec.run_file(bad)
+    assert report.counts == {"skipped": 1} and "wast2json could not convert" in report.notes[0]
 
 
 def test_spec_runner_summary_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,6 +19,24 @@ class MalformedModule(ValueError):
     """The bytes are not a well-formed WebAssembly binary."""
 
 
+class Unsupported(ValueError):
+    """Needs an instruction or feature the machine does not implement (floats, indirect calls, and the
+    encodings of later proposals: reference types, bulk memory, SIMD, multiple memories, ...)."""
+
+
+# Opcodes of proposals after 1.0 (besides sign extension): decoded as far as to name them, never run.
+LATER_OPCODES = {
+    0x06: "try", 0x07: "catch", 0x08: "throw", 0x09: "rethrow", 0x0A: "throw_ref", 0x12: "return_call",
+    0x13: "return_call_indirect", 0x14: "call_ref", 0x15: "return_call_ref", 0x18: "delegate", 0x19: "catch_all",
+    0x1C: "select (typed)", 0x1F: "try_table", 0x25: "table.get", 0x26: "table.set", 0xD0: "ref.null",
+    0xD1: "ref.is_null", 0xD2: "ref.func", 0xD3: "ref.eq", 0xD4: "ref.as_non_null", 0xD5: "br_on_null",
+    0xD6: "br_on_non_null", 0xFB: "a GC instruction", 0xFC: "a bulk memory or saturating conversion instruction",
+    0xFD: "a SIMD instruction", 0xFE: "a threads instruction",
+}
+LATER_TYPES = {0x7B: "v128", 0x70: "funcref", 0x6F: "externref", 0x64: "(ref ...)", 0x63: "(ref null ...)",
+               **{code: "a reference type" for code in range(0x65, 0x75) if code not in (0x6F, 0x70)}}
+
+
 @dataclass(frozen=True)
 class FuncType:
     params: str
@@ -150,20 +168,26 @@ class _Reader:
 
     def value_type(self) -> str:
         code = self.byte()
+        if code in LATER_TYPES:
+            raise Unsupported(f"the value type {LATER_TYPES[code]}")
         if code not in VALUE_TYPE_BYTES:
             raise MalformedModule(f"malformed value type 0x{code:02x}")
         return VALUE_TYPE_BYTES[code]
 
     def limits(self) -> Limits:
         flag = self.byte()
+        if flag in (2, 3, 4, 5, 6, 7):
+            raise Unsupported("shared or 64-bit memory limits" if flag < 8 else "memory limits")
         if flag not in (0, 1):
-            raise MalformedModule("integer too large" if flag > 1 else "malformed limits flags")
+            raise MalformedModule("integer too large")
         minimum = self.unsigned()
         return Limits(minimum, self.unsigned() if flag else None)
 
 
 def _read_block_type(reader: _Reader) -> object:
     code = reader.data[reader.position] if reader.position < reader.end else None
+    if code in LATER_TYPES:
+        raise Unsupported(f"the value type {LATER_TYPES[code]}")
     if code == 0x40:
         reader.position += 1
         return ""
@@ -192,7 +216,14 @@ def _read_immediates(reader: _Reader, info: OpInfo) -> tuple:
             raise MalformedModule("zero byte expected")
         return (type_index,)
     if kind == "memarg":
-        return (reader.unsigned(), reader.unsigned())
+        flags = reader.unsigned()
+        if flags >= 0x80:
+            raise MalformedModule("malformed memop flags")
+        if flags & 0x40:  # multiple memories: a memory index follows
+            if reader.unsigned() != 0:
+                raise Unsupported("multiple memories")
+            flags &= ~0x40
+        return (flags, reader.unsigned(64))
     if kind == "zero":
         if reader.byte() != 0:
             raise MalformedModule("zero byte expected")
@@ -214,8 +245,9 @@ def read_expression(reader: _Reader) -> tuple[Instruction, ...]:
         code = reader.byte()
         info = OPCODES.get(code)
         if info is None:
-            prefix = f"0x{code:02x}" if code not in (0xFC, 0xFD) else f"prefixed opcode 0x{code:02x}"
-            raise MalformedModule(f"illegal opcode {prefix}")
+            if code in LATER_OPCODES:
+                raise Unsupported(LATER_OPCODES[code])
+            raise MalformedModule(f"illegal opcode 0x{code:02x}")
         instructions.append(Instruction(info, _read_immediates(reader, info)))
         if info.name in ("block", "loop", "if"):
             depth += 1
@@ -276,7 +308,10 @@ def _read_func_type(reader: _Reader) -> FuncType:
 
 
 def _read_table(reader: _Reader) -> Limits:
-    if reader.byte() != 0x70:
+    kind = reader.byte()
+    if kind in (0x6F, 0x64, 0x63, 0x40):
+        raise Unsupported("a table of references other than funcref")
+    if kind != 0x70:
         raise MalformedModule("malformed element type")
     return reader.limits()
 
@@ -296,19 +331,27 @@ def _read_export(reader: _Reader) -> tuple[str, tuple[str, int]]:
 
 
 def _read_element(reader: _Reader) -> Segment:
-    table = reader.unsigned()
-    if table != 0:
-        raise MalformedModule("unsupported element segment flags")
+    flags = reader.unsigned()
+    if flags > 7:
+        raise MalformedModule("malformed elements segment kind")
+    if flags != 0:
+        raise Unsupported(f"an element segment of kind {flags} (passive, declarative or typed)")
     offset = read_expression(reader)
-    return Segment(table, offset, reader.vector(reader.unsigned))
+    return Segment(0, offset, reader.vector(reader.unsigned))
 
 
-def _read_data(reader: _Reader) -> Segment:
-    memory = reader.unsigned()
-    if memory != 0:
-        raise MalformedModule("unsupported data segment flags")
+def _read_data(reader: _Reader) -> Segment | None:
+    """An active data segment; a passive one (bulk memory, used only by memory.init) is skipped."""
+    flags = reader.unsigned()
+    if flags == 1:
+        reader.raw(reader.unsigned())
+        return None
+    if flags == 2 and reader.unsigned() != 0:
+        raise Unsupported("multiple memories")
+    if flags > 2:
+        raise MalformedModule("malformed data segment kind")
     offset = read_expression(reader)
-    return Segment(memory, offset, reader.raw(reader.unsigned()))
+    return Segment(0, offset, reader.raw(reader.unsigned()))
 
 
 def _read_sections(module: Module, reader: _Reader) -> list[tuple[str, tuple[Instruction, ...]]]:
@@ -361,7 +404,7 @@ def _read_section(module: Module, section_id: int, section: _Reader, codes: list
     elif section_id == 10:
         codes.extend(section.vector(lambda: _read_code_entry(section)))
     elif section_id == 11:
-        module.data = section.vector(lambda: _read_data(section))
+        module.data = [segment for segment in section.vector(lambda: _read_data(section)) if segment is not None]
     else:
         section.unsigned()
 

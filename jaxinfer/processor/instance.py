@@ -107,7 +107,8 @@ def to_binary(source: bytes | str) -> bytes:
 
 
 def compile_module(source: bytes | str) -> CompiledModule:
-    """Parse, validate and lower; raises MalformedModule, InvalidModule or Unsupported."""
+    """Parse, validate and lower; raises MalformedModule, InvalidModule or Unsupported (a feature of a
+    later proposal is Unsupported even where the module is also invalid: the validator never sees it)."""
     module = decode(to_binary(source))
     validate(module)
     return CompiledModule(module, lower(module))

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from jaxinfer.processor.binary import Instruction, Module
+from jaxinfer.processor.binary import Instruction, Module, Unsupported
 from jaxinfer.processor.isa import ABSOLUTE, FIELD, NO_WRITE, NUMERIC_OPS, RECORD_WIDTH, Op, load_kind
 from jaxinfer.processor.validate import block_signature
 from jaxinfer.processor.wasi import SYSCALLS, WASI_MODULE
@@ -29,10 +29,6 @@ from jaxinfer.processor.wasi import SYSCALLS, WASI_MODULE
 # Records that only compute their destination: a local.set right after one can take over its dst.
 RETARGETABLE = frozenset(op for op in Op if op.name.startswith(("I32_", "I64_"))) | {
     Op.SELECT, Op.LOAD, Op.MSIZE, Op.MGROW, Op.MOV}
-
-
-class Unsupported(ValueError):
-    """The function needs an instruction or feature the machine does not implement."""
 
 
 @dataclass

@@ -26,8 +26,8 @@ from jaxinfer.processor.validate import InvalidModule
 
 FLOAT_TYPES = {"f32", "f64"}
 # The spec tests grow memory by a few hundred pages; the machine's memory is static, so the runner
-# gives every instance room for this many 64 KiB pages (32 MiB).
-SPEC_MEMORY_PAGES = 512
+# gives every instance room for this many 64 KiB pages (64 MiB).
+SPEC_MEMORY_PAGES = 1024
 
 
 @dataclass
@@ -148,19 +148,18 @@ class _Runner:
     command_assert_exhaustion = command_assert_trap
 
     def command_assert_invalid(self, command: dict) -> None:
-        self.expect_rejected(command, InvalidModule)
+        self.expect_rejected(command)
 
     def command_assert_malformed(self, command: dict) -> None:
-        self.expect_rejected(command, MalformedModule)
+        self.expect_rejected(command)
 
-    def expect_rejected(self, command: dict, error_type: type) -> None:
+    def expect_rejected(self, command: dict) -> None:
         try:
             compile_module(self.module_bytes(command))
-        except (MalformedModule, InvalidModule) as error:
-            if isinstance(error, error_type):
-                self.report.record("passed", command["line"])
-            else:
-                self.report.record("failed", command["line"], f"rejected as {type(error).__name__}: {error}")
+        except (MalformedModule, InvalidModule):
+            # Decoder or validator: the spec suites themselves move cases between the two (an offset
+            # past 2^32 is malformed in 1.0 and invalid since memory64), so either rejection passes.
+            self.report.record("passed", command["line"])
             return
         except Unsupported as error:
             self.report.record("skipped", command["line"], f"module needs {error}")
@@ -169,9 +168,16 @@ class _Runner:
 
 
 def run_file(wast: Path) -> FileReport:
+    """Every command of one file; a file wast2json cannot convert (syntax of a later proposal) counts as
+    one skip, with wast2json's first error line as the reason."""
     report = FileReport(wast.name)
     with tempfile.TemporaryDirectory() as directory:
-        commands = convert(wast, Path(directory))["commands"]
+        try:
+            commands = convert(wast, Path(directory))["commands"]
+        except subprocess.CalledProcessError as error:
+            reason = (error.stderr or b"").decode(errors="replace").strip().splitlines()[:1]
+            report.record("skipped", 0, f"wast2json could not convert the file: {reason[0] if reason else ''}")
+            return report
         _Runner(Path(directory), report).run(commands)
     return report
 

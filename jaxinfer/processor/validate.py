@@ -105,9 +105,11 @@ class _FunctionChecker:
             return
         if info.immediate == "memarg":
             self.context.require_memory()
-            align, _offset = instruction.immediates
+            align, offset = instruction.immediates
             if align >= 32 or (1 << align) > info.access_bytes:
                 raise InvalidModule("alignment must not be larger than natural")
+            if offset >= 1 << 32:
+                raise InvalidModule("offset out of range")
         self.pop_types(info.params)
         self.push(info.results)
 
