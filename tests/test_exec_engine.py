@@ -271,11 +271,11 @@ def test_trace_summary_and_full_enter_the_context(exec_llm: LLM, caplog: pytest.
             greedy(max_tokens=6, exec=True)])
     assert summary.text.startswith("<|result|>3\n[trace] 32 instructions, 4 branches taken<|/result|>")
     lines = full.text.split("<|/result|>")[0].splitlines()
-    assert lines[0] == "<|result|>3" and len(lines) == 1 + 15  # one row per record: 4 per iteration
-    assert lines[1].split() == ["1", "i32_ge_u", "0"] and lines[-1].split()[1:] == ["mov", "3"]
+    assert lines[0] == "<|result|>3" and len(lines) == 1 + 11  # one row per record: 3 per iteration
+    assert lines[1].split() == ["1", "br_if", "0"] and lines[-1].split()[1:] == ["mov", "3"]
     assert none.text.startswith("<|result|>3<|/result|>")
     records = [json.loads(r.getMessage()) for r in caplog.records if r.name == "jaxinfer.audit"]
-    assert all(len(r["trace"]) == 15 and r["branches"] == 4 for r in records if r.get("event") == "exec")
+    assert all(len(r["trace"]) == 11 and r["branches"] == 4 for r in records if r.get("event") == "exec")
 
 
 def test_review_regressions_in_the_engine(exec_llm: LLM) -> None:

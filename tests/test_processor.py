@@ -174,6 +174,7 @@ def test_trace_rows_and_branches() -> None:
                  "(local.set 0 (i32.add (local.get 0) (i32.const 1))) (br 0))) (local.get 0)")
     traced = run(loop, trace_entries=8)
     assert traced.values == [2] and traced.branches == 3 and len(traced.trace) == 8
-    # One row per record: local.get and i32.const are folded into the compare, local.set into the add.
-    assert [line.split()[1] for line in traced.trace[:5]] == ["i32_ge_u", "br_if", "i32_add", "br", "i32_ge_u"]
+    # One row per record: local.get and i32.const fold into the compare, the compare into br_if, local.set
+    # into the add.
+    assert [line.split()[1] for line in traced.trace[:5]] == ["br_if", "i32_add", "br", "br_if", "i32_add"]
     assert run(loop).trace == [] and run(loop).branches == 3

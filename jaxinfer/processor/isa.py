@@ -9,7 +9,8 @@ registers and writes at most one. A record is ``RECORD_WIDTH`` int32 fields:
 ``dst``/``a``/``b``/``c`` are register offsets from the frame pointer (``dst = NO_WRITE`` writes
 nothing; values from ``ABSOLUTE`` up address globals and the constant pool absolutely).
 ``imm``/``imm2`` are immediates: a constant's low/high words, a branch target, a memory offset
-and access kind, a system call's number and argument count. ``cost`` is the number of
+and access kind, a system call's number and argument count, or (for BR_IF/BR_UNLESS) the op of
+a compare folded into the branch, which then branches on compare(a, b) instead of register a. ``cost`` is the number of
 WebAssembly instructions the record accounts for: 0 for moves and jumps that lowering adds, more
 than 1 when operands (``local.get``, constants) or a ``local.set`` are folded into it. Fuel and
 the instruction count measure it.

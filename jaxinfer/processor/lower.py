@@ -26,6 +26,9 @@ from jaxinfer.processor.isa import ABSOLUTE, FIELD, NO_WRITE, NUMERIC_OPS, RECOR
 from jaxinfer.processor.validate import block_signature
 from jaxinfer.processor.wasi import SYSCALLS, WASI_MODULE
 
+# Compares a conditional branch right after them can take over (the branch then computes them).
+COMPARES = frozenset(op for op in Op if op.name.endswith(("_EQZ", "_EQ", "_NE", "_LT_S", "_LT_U", "_GT_S", "_GT_U",
+                                                          "_LE_S", "_LE_U", "_GE_S", "_GE_U")))
 # Records that only compute their destination: a local.set right after one can take over its dst.
 RETARGETABLE = frozenset(op for op in Op if op.name.startswith(("I32_", "I64_"))) | {
     Op.SELECT, Op.LOAD, Op.MSIZE, Op.MGROW, Op.MOV}
@@ -138,6 +141,18 @@ class _FunctionLowering:
     def mark_target(self) -> None:
         self.barrier = self.here()
 
+    def take_condition(self) -> tuple[dict[str, int], int]:
+        """The top entry as a branch condition: the compare that just computed it (its record removed,
+        the branch computes it) or the register, with the cost folded into the branch."""
+        top = self.height - 1
+        last = self.code[-1] if self.code else None
+        if (top not in self.aliases and last is not None and self.here() - 1 >= self.barrier
+                and last[FIELD["dst"]] == self.slot(top) and last[FIELD["op"]] in COMPARES):
+            self.code.pop()
+            return {"a": last[FIELD["a"]], "b": last[FIELD["b"]], "imm2": last[FIELD["op"]]}, last[FIELD["cost"]]
+        (condition,), folded = self.take(1)
+        return {"a": condition}, folded
+
     def emit(self, op: Op, *, dst: int = NO_WRITE, a: int = 0, b: int = 0, c: int = 0, imm: int = 0, imm2: int = 0,
              cost: int = 1) -> int:
         record = [0] * RECORD_WIDTH
@@ -175,16 +190,16 @@ class _FunctionLowering:
         if not self.reachable:
             self.blocks.append(_Block(kind, self.height, 0, 0, 0, live=False))
             return
-        condition = None
+        condition: dict[str, int] = {}
         if kind == "if":
-            (condition,), folded = self.take(1)
+            condition, folded = self.take_condition()
             self.set_height(self.height - 1)
         self.materialize_all()
         block = _Block(kind, self.height - params, params if kind == "loop" else results, results, params,
                        start=self.here())
         self.mark_target()
         if kind == "if":
-            block.else_fixup = self.emit(Op.BR_UNLESS, a=condition, cost=1 + folded)
+            block.else_fixup = self.emit(Op.BR_UNLESS, **condition, cost=1 + folded)
         self.blocks.append(block)
 
     def structure_loop(self, block_type: object) -> None:
@@ -264,17 +279,17 @@ class _FunctionLowering:
         self.reachable = False
 
     def op_br_if(self, depth: int) -> None:
-        (condition,), folded = self.take(1)
+        condition, folded = self.take_condition()
         self.set_height(self.height - 1)
         self.materialize_all()
         block = self.blocks[-1 - depth]
         if not self.moves_for(depth) and block.kind != "func":
-            position = self.emit(Op.BR_IF, a=condition, imm=block.start if block.kind == "loop" else 0,
+            position = self.emit(Op.BR_IF, **condition, imm=block.start if block.kind == "loop" else 0,
                                  cost=1 + folded)
             if block.kind != "loop":
                 block.fixups.append(position)
             return
-        skip = self.emit(Op.BR_UNLESS, a=condition, cost=1 + folded)
+        skip = self.emit(Op.BR_UNLESS, **condition, cost=1 + folded)
         self.emit_jump(depth, cost=0)
         self.patch(skip, self.here())
 

@@ -249,7 +249,11 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     z = _read(state.registers, _address(fp, record.c))
     loaded, memory_write, out_of_bounds = _memory_access(state, record, x, y, executing)
 
-    value = _value(state, record, x, y, z, loaded, executing)
+    # A conditional branch with a compare folded in (imm2: the compare's op) branches on the compare.
+    folded_compare = ((op == Op.BR_IF) | (op == Op.BR_UNLESS)) & (record.imm2 != 0)
+    value = _value(state, record._replace(op=jnp.where(folded_compare, record.imm2, op)), x, y, z, loaded,
+                   executing)
+    condition = jnp.where(folded_compare, value[0], x[0])
     trap = _trap(state, record, x, y, out_of_bounds, shape)
     trap = jnp.where(out_of_fuel, Trap.FUEL_EXHAUSTED, jnp.where(executing, trap, Trap.NONE))
     trapped = trap != Trap.NONE
@@ -262,7 +266,7 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
 
     trace_write = _trace_write(state, record, value, commit, shape)
     trace_row_written = trace_write[0] < shape.trace_entries
-    pc, new_fp, depth, finished = _next_pc(state, record, x)
+    pc, new_fp, depth, finished = _next_pc(state, record, x, condition)
     branching = (op >= Op.BR) & (op <= Op.BR_TABLE)
     taken = commit & branching & (pc != state.pc + 1)
     status = jnp.where(commit & finished, Status.DONE, state.status)
@@ -345,9 +349,10 @@ def _grow(state, op, x, commit) -> tuple[jax.Array, jax.Array]:
     return result, jnp.where(growing, state.pages + requested.astype(jnp.int32), state.pages)
 
 
-def _next_pc(state, record, x) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def _next_pc(state, record, x, condition) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     op, pc = record.op, state.pc
-    taken = ((op == Op.BR_IF) & (x[0] != 0)) | ((op == Op.BR_UNLESS) & (x[0] == 0)) | (op == Op.BR) | (op == Op.CALL)
+    taken = (((op == Op.BR_IF) & (condition != 0)) | ((op == Op.BR_UNLESS) & (condition == 0)) | (op == Op.BR)
+             | (op == Op.CALL))
     table_target = pc + 1 + jnp.minimum(x[0], alu.as_unsigned(record.imm2)).astype(jnp.int32)
     next_pc = jnp.where(taken, record.imm, jnp.where(op == Op.BR_TABLE, table_target, pc + 1))
     next_pc = jnp.where(op == Op.HOSTCALL, pc, next_pc)  # the host moves past it when it resumes the slot
