@@ -293,7 +293,7 @@ class Engine:
     def _append_forced(self, seq: Sequence, ids: list[int]) -> None:
         """Appends tokens the engine wrote (an exec result): computed like a prompt chunk, never sampled."""
         self.stats.exec_programs += 1
-        self.stats.exec_traps += ids[0] == self.executor.tokens.trap_open
+        self.stats.exec_traps += bool(ids) and ids[0] == self.executor.tokens.trap_open
         for token in ids:
             seq.output_ids.append(token)
             seq.logprobs.append(0.0)
