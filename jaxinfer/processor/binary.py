@@ -131,31 +131,30 @@ class _Reader:
         self.position += count
         return bytes(chunk)
 
-    def unsigned(self, bits: int = 32) -> int:
+    def _leb128(self, bits: int) -> tuple[int, int, int]:
+        """The groups of a LEB128 number of at most ``bits`` bits: (value, bits read, last byte)."""
         result = shift = 0
         for _ in range((bits + 6) // 7):
             value = self.byte()
             result |= (value & 0x7F) << shift
             shift += 7
             if not value & 0x80:
-                if result >= 1 << bits:
-                    raise MalformedModule("integer too large")
-                return result
+                return result, shift, value
         raise MalformedModule("integer representation too long")
 
+    def unsigned(self, bits: int = 32) -> int:
+        result, _, _ = self._leb128(bits)
+        if result >= 1 << bits:
+            raise MalformedModule("integer too large")
+        return result
+
     def signed(self, bits: int) -> int:
-        result = shift = 0
-        for _ in range((bits + 6) // 7):
-            value = self.byte()
-            result |= (value & 0x7F) << shift
-            shift += 7
-            if not value & 0x80:
-                if value & 0x40:
-                    result -= 1 << shift
-                if not -(1 << (bits - 1)) <= result < 1 << (bits - 1):
-                    raise MalformedModule("integer too large")
-                return result
-        raise MalformedModule("integer representation too long")
+        result, shift, last = self._leb128(bits)
+        if last & 0x40:
+            result -= 1 << shift
+        if not -(1 << (bits - 1)) <= result < 1 << (bits - 1):
+            raise MalformedModule("integer too large")
+        return result
 
     def name(self) -> str:
         try:

@@ -55,7 +55,6 @@ class Program:
     memory: tuple[int, int | None] | None  # (min pages, max pages)
     data: list[tuple[int, bytes]]
     start: int | None
-    imported_functions: int
     constants: list[int] = field(default_factory=list)  # the constant pool: absolute registers after the globals
 
     def function_index(self, name: str) -> int:
@@ -530,7 +529,6 @@ def lower(module: Module) -> Program:
         memory=(memory.minimum, memory.maximum) if memory else None,
         data=data,
         start=module.start,
-        imported_functions=imported,
         constants=sorted(constants, key=constants.get),
     )
 

@@ -26,10 +26,6 @@ class OpInfo:
     special: bool = False  # typing handled by the validator's own rule (control, locals, calls, ...)
 
     @property
-    def is_float(self) -> bool:
-        return "f" in (self.params + self.results).lower() and not self.special
-
-    @property
     def access_bytes(self) -> int:
         """Bytes a load or store touches: the width in its name, else its value type's size."""
         match = re.search(r"(?:load|store)(8|16|32)", self.name)

@@ -28,7 +28,7 @@ class SessionMemory:
         self.capacity_bytes, self.ttl_seconds, self.clock = capacity_bytes, ttl_seconds, clock
         self._entries: OrderedDict[tuple[str, str], Snapshot] = OrderedDict()
         self.bytes = 0
-        self.hits = self.misses = self.evictions = 0
+        self.evictions = 0
 
     def get(self, tenant: str, session: str) -> Snapshot | None:
         key = (tenant, session)
@@ -36,11 +36,8 @@ class SessionMemory:
         if snapshot is not None and self.clock() - snapshot.stored_at > self.ttl_seconds:
             self._remove(key)
             snapshot = None
-        if snapshot is None:
-            self.misses += 1
-            return None
-        self._entries.move_to_end(key)
-        self.hits += 1
+        if snapshot is not None:
+            self._entries.move_to_end(key)
         return snapshot
 
     def put(self, tenant: str, session: str, memory: np.ndarray, pages: int) -> None:

@@ -116,7 +116,6 @@ class Syscalls:
     stdout: bytearray = field(default_factory=bytearray)
     stderr: bytearray = field(default_factory=bytearray)
     files: dict[int, MappedFile] = field(default_factory=dict)
-    calls: int = 0
     touched: set[str] = field(default_factory=set)  # mapped paths read or written
     def __post_init__(self) -> None:
         for index, relative in enumerate(self.mapping.paths if self.mapping else ()):
@@ -126,7 +125,6 @@ class Syscalls:
 
     def call(self, number: int, args: list[int], memory: np.ndarray) -> int:
         """Serves one call; ``memory`` is the slot's linear memory (updated in place). Returns the errno."""
-        self.calls += 1
         name = SYSCALL_NAMES[number]
         return getattr(self, name)(memory, *args)
 
