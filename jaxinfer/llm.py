@@ -72,7 +72,7 @@ class LLM:
         self.tokenizer.guard = cfg.tokenizer_guard
         if cfg.exec_slots:  # the processor's control tokens; the model grows zero rows for new ids
             ids = self.tokenizer.add_control_tokens(CONTROL_TOKENS)
-            loaded.model.extend_vocabulary(max(max(ids.values()) + 1, self.model_config.vocab_size))
+            loaded.model.extend_vocabulary(max(ids.values()) + 1)  # no-op when the vocabulary has them
             self.model_config = loaded.model.config
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)

@@ -389,6 +389,8 @@ SPIN = '(module (func (export "main") (loop $l (br $l))))'
 
 def _decode_with(llm, requests, extra=None) -> dict:
     """Runs `requests` to the end on llm's engine (with `extra` added and aborted after); tokens/s of `requests`."""
+    from jaxinfer.processor.machine import SCALAR
+
     engine = llm.engine
     before = dataclasses.replace(engine.stats)
     extra_seq = engine.add_request(extra) if extra is not None else None
@@ -399,8 +401,8 @@ def _decode_with(llm, requests, extra=None) -> dict:
     seconds = time.perf_counter() - start
     executed = 0
     if extra_seq is not None:
-        executed = int(engine.runner.exec_unit.read(extra_seq.exec_slot)[0][6]) if extra_seq.exec_slot is not None \
-            else 0
+        if extra_seq.exec_slot is not None:
+            executed = int(engine.runner.exec_unit.scalars(extra_seq.exec_slot)[SCALAR["executed"]])
         engine.abort(extra_seq.index)
     while engine.has_unfinished():
         engine.step()

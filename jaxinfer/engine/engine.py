@@ -25,12 +25,11 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from jaxinfer.engine.disagg import PagePublisher
-from jaxinfer.engine.executor import DEFAULT_TENANT, Executor
+from jaxinfer.engine.executor import Executor, file_mapping
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
@@ -41,8 +40,7 @@ from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
 from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.processor.protocol import CONTROL_TOKENS, ExecTokens
-from jaxinfer.processor.sessions import SessionMemory
-from jaxinfer.processor.wasi import FileAccessError, FileMapping
+from jaxinfer.processor.wasi import FileAccessError
 from jaxinfer.tokenizer import Tokenizer
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
@@ -103,21 +101,12 @@ class Engine:
         missing = [name for name, token in ids.items() if token is None]
         if missing:
             raise ValueError(f"the tokenizer lacks the exec control tokens {missing} (add_control_tokens)")
-        return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg.exec_max_instructions,
-                        self.cfg.exec_timeout_seconds, self._append_forced, self._file_mapping,
-                        SessionMemory(self.cfg.exec_session_bytes, self.cfg.exec_session_ttl_seconds),
-                        self.cfg.exec_max_trace_tokens, self._room)
+        return Executor(self.runner.exec_unit, ExecTokens.from_ids(ids), self.tokenizer, self.cfg, self.stats,
+                        self._append_forced, self._room)
 
     def _room(self, seq: Sequence) -> int:
         """Tokens a sequence may still receive: what max_tokens and max_model_len leave."""
         return max(0, min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - seq.num_known))
-
-    def _file_mapping(self, seq: Sequence) -> FileMapping | None:
-        """The files a request's programs see: its tenant's namespace under engine.exec_files_root."""
-        if not seq.params.exec_files:
-            return None
-        return FileMapping(Path(self.cfg.exec_files_root), seq.request.tenant or DEFAULT_TENANT,
-                           seq.params.exec_files, self.cfg.exec_quota_bytes)
 
     @property
     def prefix_caching(self) -> bool:
@@ -131,12 +120,11 @@ class Engine:
         self._check_files(request)
 
     def _check_files(self, request: Request) -> None:
-        if not request.params.exec_files:
+        mapping = file_mapping(self.cfg, request)
+        if mapping is None:
             return
         if not self.cfg.exec_files_root:
             raise RequestError("exec_files: this engine maps no files (engine.exec_files_root is empty)")
-        mapping = FileMapping(Path(self.cfg.exec_files_root), request.tenant or DEFAULT_TENANT,
-                              request.params.exec_files)
         try:
             for path in mapping.paths:
                 mapping.resolve(path)
@@ -267,15 +255,12 @@ class Engine:
         if not self.async_scheduling and self._inflight is not None:
             launched, self._inflight = self._inflight, None
             waited += self._process(launched, finished)
-        for seq in self._drain_forced_finished():
-            self._finish(seq, finished)
-        if launched is None and previous is None and not self._programs_waiting():
+        while self._forced_finished:
+            self._finish(self._forced_finished.pop(), finished)
+        if launched is None and previous is None:
             self._nothing_launched()
         self._account(started, waited)
         return finished
-
-    def _programs_waiting(self) -> bool:
-        return self.executor is not None and bool(self.executor.pending or self.executor.busy)
 
     def _launch_exec_only(self) -> _InflightStep | None:
         """With programs running and no sequence to compute, a step that only advances the machine."""
@@ -286,14 +271,8 @@ class Engine:
         self.stats.exec_idle_steps += 1
         return _InflightStep([], result, self.stats.steps)
 
-    def _drain_forced_finished(self) -> list[Sequence]:
-        done, self._forced_finished = self._forced_finished, []
-        return done
-
     def _append_forced(self, seq: Sequence, ids: list[int]) -> None:
         """Appends tokens the engine wrote (an exec result): computed like a prompt chunk, never sampled."""
-        self.stats.exec_programs += 1
-        self.stats.exec_traps += bool(ids) and ids[0] == self.executor.tokens.trap_open
         for token in ids:
             seq.output_ids.append(token)
             seq.logprobs.append(0.0)
@@ -312,7 +291,10 @@ class Engine:
             self.scheduler.tiers.maybe_sweep()
 
     def _nothing_launched(self) -> None:
-        """A step with nothing to run: wait for a KV store read if one is under way, else fail."""
+        """A step with nothing to run: fine while programs wait or run (their steps come), else wait for
+        a KV store read if one is under way, else fail."""
+        if self.executor is not None and (self.executor.pending or self.executor.busy):
+            return
         if self.has_unfinished() and not self.scheduler.wait_for_store():
             raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
 
@@ -580,12 +562,7 @@ class Engine:
         return frozenset(self.executor.tokens.all) if params.exec and self.executor is not None else frozenset()
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        shown = self.shown_special_ids(seq.params)
-        if shown:
-            kept = [t for t in seq.output_ids if t not in self.tokenizer.special_ids or t in shown]
-            text = self.tokenizer.decode(kept, skip_special_tokens=False)
-        else:
-            text = self.tokenizer.decode(seq.output_ids)
+        text = self.tokenizer.decode(seq.output_ids, keep=self.shown_special_ids(seq.params))
         if seq.stop_at is not None:
             text = text[: seq.stop_at]
         return RequestOutput(

@@ -17,11 +17,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from jaxinfer.config import EngineConfig
+from jaxinfer.engine.metrics import EngineStats
+from jaxinfer.engine.params import Request
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.processor.binary import MalformedModule
 from jaxinfer.processor.instance import compile_module, serve_host_call, trace_lines
 from jaxinfer.processor.isa import Status, Trap
 from jaxinfer.processor.lower import Unsupported
@@ -29,7 +32,6 @@ from jaxinfer.processor.machine import SCALAR
 from jaxinfer.processor.protocol import ExecTokens, module_hash, program_ids, result_text
 from jaxinfer.processor.sessions import SessionMemory
 from jaxinfer.processor.unit import ExecReport, ExecUnit, SlotImage
-from jaxinfer.processor.validate import InvalidModule
 from jaxinfer.processor.wasi import FileMapping, Syscalls
 from jaxinfer.tokenizer import Tokenizer
 
@@ -51,23 +53,29 @@ class _Run:
     timeout: float
 
 
+def tenant_of(request: Request) -> str:
+    return request.tenant or DEFAULT_TENANT
+
+
+def file_mapping(cfg: EngineConfig, request: Request) -> FileMapping | None:
+    """The files a request's programs see: its tenant's namespace under engine.exec_files_root."""
+    if not request.params.exec_files:
+        return None
+    return FileMapping(Path(cfg.exec_files_root), tenant_of(request), request.params.exec_files,
+                       cfg.exec_quota_bytes)
+
+
 class Executor:
-    def __init__(self, unit: ExecUnit, tokens: ExecTokens, tokenizer: Tokenizer, max_instructions: int,
-                 timeout_seconds: float, append_forced: Callable[[Sequence, list[int]], None],
-                 files: Callable[[Sequence], FileMapping | None] = lambda seq: None,
-                 sessions: SessionMemory | None = None, max_trace_tokens: int = 256,
-                 room: Callable[[Sequence], int] = lambda seq: 1 << 30) -> None:
-        self.room = room  # tokens a sequence may still receive (max_tokens, max_model_len)
-        self.max_trace_tokens = max_trace_tokens
-        self.unit, self.tokens, self.tokenizer = unit, tokens, tokenizer
-        self.sessions = sessions or SessionMemory(64 << 20, 3600.0)
-        self.files = files  # the request's file mapping (tenant namespace), or None
-        self.max_instructions, self.timeout_seconds = max_instructions, timeout_seconds
-        self.append_forced = append_forced
+    def __init__(self, unit: ExecUnit, tokens: ExecTokens, tokenizer: Tokenizer, cfg: EngineConfig,
+                 stats: EngineStats, append_forced: Callable[[Sequence, list[int]], None],
+                 room: Callable[[Sequence], int]) -> None:
+        """``append_forced`` appends engine-written tokens to a sequence; ``room`` says how many it may
+        still receive (max_tokens, max_model_len)."""
+        self.unit, self.tokens, self.tokenizer, self.cfg, self.stats = unit, tokens, tokenizer, cfg, stats
+        self.append_forced, self.room = append_forced, room
+        self.sessions = SessionMemory(cfg.exec_session_bytes, cfg.exec_session_ttl_seconds)
         self.runs: dict[int, _Run] = {}  # slot -> run
         self.pending: list[Sequence] = []  # paused sequences whose program waits for a slot
-        self.programs_run = 0
-        self.traps = 0
 
     @property
     def busy(self) -> bool:
@@ -99,22 +107,24 @@ class Executor:
 
     def _start(self, seq: Sequence, steps_launched: int) -> None:
         source = seq.exec_source
-        limit = min(seq.params.exec_max_instructions or self.max_instructions, self.max_instructions)
+        cap = self.cfg.exec_max_instructions
+        limit = min(seq.params.exec_max_instructions or cap, cap)
         session = self._session_key(seq)
         snapshot = self.sessions.get(*session) if session else None
         try:
             image = self.unit.prepare(compile_module(source), limit,
                                       (snapshot.memory, snapshot.pages) if snapshot else None, trace=True,
                                       memory_pages=seq.params.exec_memory_pages)
-            syscalls = Syscalls(self.files(seq))
-        except (MalformedModule, InvalidModule, Unsupported, ValueError, OSError) as error:
+            syscalls = Syscalls(file_mapping(self.cfg, seq.request))
+        except (ValueError, OSError) as error:  # malformed, invalid, unsupported, or a file that went away
             kind = "unsupported: needs " if isinstance(error, Unsupported) else ""
             self._reject(seq, module_hash(source), f"{kind}{error}")
             return
         slot = self.unit.free.pop(0)
         self.unit.load(slot, image)
         seq.exec_slot = slot
-        timeout = min(seq.params.exec_timeout_seconds or self.timeout_seconds, self.timeout_seconds)
+        cap = self.cfg.exec_timeout_seconds
+        timeout = min(seq.params.exec_timeout_seconds or cap, cap)
         self.runs[slot] = _Run(seq, module_hash(source), image, syscalls, steps_launched, time.monotonic(), timeout)
 
     def collect(self, report: ExecReport | None, step_number: int, steps_launched: int) -> None:
@@ -123,21 +133,22 @@ class Executor:
         now = time.monotonic()
         for slot, run in list(self.runs.items()):
             if report is not None and step_number > run.loaded_after_step:
-                status = int(report.status[slot])
+                scalars = report.scalars[slot]
+                status = scalars[SCALAR["status"]]
                 if status == Status.SYSCALL:
                     self._serve(slot, run, steps_launched)
                     continue
                 if status == Status.TRAPPED:
-                    self._end(slot, Trap(int(report.trap[slot])).message)
+                    self._end(slot, scalars, Trap(int(scalars[SCALAR["trap"]])).message)
                     continue
                 if status == Status.DONE:
                     types = run.image.result_types
                     values = [int(low) | (int(high) << 32 if kind == "I" else 0)
                               for (low, high), kind in zip(report.results[slot], types, strict=False)]
-                    self._end(slot, None, result_text(values, types, bytes(run.syscalls.stdout)))
+                    self._end(slot, scalars, None, result_text(values, types, bytes(run.syscalls.stdout)))
                     continue
             if now - run.started > run.timeout:
-                self._end(slot, Trap.TIMEOUT.message)
+                self._end(slot, self.unit.scalars(slot), Trap.TIMEOUT.message)
 
     def _serve(self, slot: int, run: _Run, steps_launched: int) -> None:
         """Serves the slot's system call on the host: the program goes on, exits or traps."""
@@ -147,22 +158,25 @@ class Executor:
             self.unit.resume(slot, scalars, registers, memory)
             run.loaded_after_step = steps_launched  # reports of steps already launched still show SYSCALL
         elif outcome.trap is not None or outcome.exit_code:
-            self._end(slot, outcome.trap or f"exit code {outcome.exit_code}")
+            self._end(slot, scalars, outcome.trap or f"exit code {outcome.exit_code}")
         else:  # proc_exit(0)
-            self._end(slot, None, result_text([], "", bytes(run.syscalls.stdout)), (scalars, memory))
+            self._end(slot, scalars, None, result_text([], "", bytes(run.syscalls.stdout)), memory)
 
     def _session_key(self, seq: Sequence) -> tuple[str, str] | None:
         session = seq.params.exec_session
-        return (seq.request.tenant or DEFAULT_TENANT, session) if session else None
+        return (tenant_of(seq.request), session) if session else None
 
-    def _end(self, slot: int, trap: str | None, text: str = "",
-             final: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    def _end(self, slot: int, scalars: np.ndarray, trap: str | None, text: str = "",
+             memory: np.ndarray | None = None) -> None:
         """A program ended (``trap`` None: normally, with ``text``): commit its files and session memory
-        on success, write its result or trap back into the sequence, and audit it."""
+        on success, write its result or trap back into the sequence, and audit it. ``memory`` is read
+        from the device only when a session keeps it."""
         run = self.runs[slot]
-        scalars, _, memory = self.unit.read(slot) if final is None else (final[0], None, final[1])
         instructions = int(scalars[SCALAR["executed"]])
         trace = trace_lines(self.unit.trace_rows(slot, int(scalars[SCALAR["traced"]])))
+        session = self._session_key(run.seq)
+        if trap is None and session is not None and memory is None:
+            memory = self.unit.memory(slot)
         self._release(slot)
         files: dict[str, bytes] = {}
         if trap is None:
@@ -170,10 +184,8 @@ class Executor:
                 files = run.syscalls.commit()
             except OSError as error:
                 trap = f"file commit failed: {error.strerror or error}"
-        if trap is None:
-            session = self._session_key(run.seq)
-            if session is not None:
-                self.sessions.put(*session, memory, int(scalars[SCALAR["pages"]]))
+        if trap is None and session is not None:
+            self.sessions.put(*session, memory, int(scalars[SCALAR["pages"]]))
         branches = int(scalars[SCALAR["branches"]])
         context = (trap if trap is not None else text) + self._trace_text(run, instructions, branches, trace)
         self._audit(run, trap, text, instructions, branches, trace, files)
@@ -188,10 +200,10 @@ class Executor:
                 f", files: {touched}" if touched else "")
         if mode != "full":
             return ""
-        limit = run.seq.params.exec_max_trace_tokens
-        kept, budget = [], min(self.max_trace_tokens if limit is None else limit, self.max_trace_tokens)
+        cap, limit = self.cfg.exec_max_trace_tokens, run.seq.params.exec_max_trace_tokens
+        kept, budget = [], min(cap if limit is None else limit, cap)
         for line in trace:
-            budget -= len(self.tokenizer.encode_user(line + "\n"))
+            budget -= len(self.tokenizer.encode_plain(line + "\n"))
             if budget < 0:
                 break
             kept.append(line)
@@ -204,7 +216,7 @@ class Executor:
                files: dict[str, bytes]) -> None:
         seq = run.seq
         audit.info(json.dumps({
-            "event": "exec", "request_id": seq.request.request_id, "tenant": seq.request.tenant or DEFAULT_TENANT,
+            "event": "exec", "request_id": seq.request.request_id, "tenant": tenant_of(seq.request),
             "module_sha256": run.source_hash, "instructions": instructions, "branches": branches,
             "trap" if trap is not None else "result": trap if trap is not None else text,
             "seconds": round(time.monotonic() - run.started, 6),
@@ -215,8 +227,8 @@ class Executor:
 
     def _write_back(self, seq: Sequence, text: str, trap: bool) -> None:
         seq.exec_source = None
-        self.programs_run += 1
-        self.traps += trap
+        self.stats.exec_programs += 1
+        self.stats.exec_traps += trap
         if seq.finish_reason is not None:
             return
         opening, closing = ((self.tokens.trap_open, self.tokens.trap_close) if trap
@@ -228,7 +240,7 @@ class Executor:
     def _reject(self, seq: Sequence, source_hash: str, message: str) -> None:
         """A program that could not start (malformed, invalid, unsupported, a bad file mapping)."""
         audit.info(json.dumps({"event": "exec", "request_id": seq.request.request_id,
-                               "tenant": seq.request.tenant or DEFAULT_TENANT, "module_sha256": source_hash,
+                               "tenant": tenant_of(seq.request), "module_sha256": source_hash,
                                "instructions": 0, "trap": message}))
         self._write_back(seq, message, True)
 

@@ -159,6 +159,13 @@ def code_image(program: Program, code_length: int) -> np.ndarray:
     return code
 
 
+def entry_scalars(code: FunctionCode, base: int, fuel: int, pages: int, max_pages: int, page_limit: int,
+                  tracing: bool) -> np.ndarray:
+    """The scalars of a slot about to run ``code`` with its frame at register ``base``."""
+    return machine.scalar_row(pc=code.entry, fp=base, status=Status.RUNNING, fuel=fuel, pages=pages,
+                              max_pages=max_pages, page_limit=page_limit, tracing=tracing)
+
+
 def initial_registers(globals_: np.ndarray, code: FunctionCode, args: list[int], registers: int) -> np.ndarray:
     """The register file at entry: globals, then the entry frame (link, arguments)."""
     if len(args) != len(code.params):
@@ -241,25 +248,17 @@ class Instance:
 
     def _serve(self, state: machine.MachineState, syscalls: Syscalls
                ) -> tuple[machine.MachineState, HostCallOutcome]:
-        scalars = np.array([int(getattr(state, name)[0]) for name in _SCALAR], np.int32)
+        scalars = np.array(machine.pack_scalars(state)[0])
         registers, memory = np.array(state.registers[0]), np.array(state.memory[0])
         outcome = serve_host_call(self.code[0], scalars, registers, memory, syscalls)
-        one = {name: np.full((1,), scalars[index], np.int32) for name, index in _SCALAR.items()}
-        return machine.MachineState(**one, registers=jax.numpy.asarray(registers[None]),
-                                    memory=jax.numpy.asarray(memory[None]), trace=state.trace), outcome
+        return machine.unpack_scalars(scalars[None], registers[None], memory[None], state.trace), outcome
 
-    def _initial_state(self, code, args: list[int], max_instructions: int) -> machine.MachineState:
+    def _initial_state(self, code: FunctionCode, args: list[int], max_instructions: int) -> machine.MachineState:
         registers = initial_registers(self.globals, code, args, self.shape.registers)[None]
-        base = len(self.globals)
-        one = functools.partial(np.full, (1,), dtype=np.int32)
-        return machine.MachineState(
-            pc=one(code.entry), fp=one(base), depth=one(0), status=one(Status.RUNNING), trap=one(0),
-            fuel=one(max_instructions), executed=one(0), pages=one(self.pages), max_pages=one(self.max_pages),
-            page_limit=one(self.memory_limit),
-            branches=one(0), tracing=one(int(self.shape.trace_entries > 0)), traced=one(0),
-            registers=jax.numpy.asarray(registers), memory=self.memory,
-            trace=np.zeros((1, self.shape.trace_entries + 1, 4), np.int32),
-        )
+        scalars = entry_scalars(code, len(self.globals), max_instructions, self.pages, self.max_pages,
+                                self.memory_limit, self.shape.trace_entries > 0)
+        trace = np.zeros((1, self.shape.trace_entries + 1, 4), np.int32)
+        return machine.unpack_scalars(scalars[None], jax.numpy.asarray(registers), self.memory, trace)
 
     def _finish(self, state: machine.MachineState, code: FunctionCode, syscalls: Syscalls, trap: str | None,
                 exit_code: int | None = None) -> ExecResult:

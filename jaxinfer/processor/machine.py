@@ -1,8 +1,9 @@
 """The jitted machine: advances every running slot by one micro-op per iteration, on device.
 
-State per slot (``MachineState``): pc, frame pointer, call depth, status, trap code, fuel left,
-instructions executed, memory size and limit in pages, a register file of (low, high) uint32 words
-(globals first, then frames) and linear memory as bytes. ``advance`` runs a ``lax.while_loop``
+State per slot (``MachineState``): the scalars of ``SCALAR_FIELDS`` (pc, frame pointer, call depth,
+status, trap code, fuel, instructions, memory pages and limits, branches, trace counters), a
+register file of (low, high) uint32 words (globals and constants first, then frames), linear memory
+as bytes, and a trace buffer. ``advance`` runs a ``lax.while_loop``
 of at most ``steps`` iterations; each iteration executes one record for every running slot with
 branch-free code, so slots running different programs share one loop. The only real branch is
 64-bit division, taken when some slot divides. The engine calls ``advance`` inside its jitted step
@@ -16,6 +17,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxinfer.processor import alu
@@ -100,7 +102,7 @@ def _read(registers: jax.Array, index: jax.Array) -> alu.Pair:
     return pair[:, 0], pair[:, 1]
 
 
-def _i32_results(x: alu.Pair, y: alu.Pair, z: alu.Pair) -> dict[Op, jax.Array]:
+def _i32_results(x: alu.Pair, y: alu.Pair) -> dict[Op, jax.Array]:
     a, b = x[0], y[0]
     sa, sb = alu.as_signed(a), alu.as_signed(b)
     division = alu.divide32(a, b)
@@ -120,7 +122,6 @@ def _i32_results(x: alu.Pair, y: alu.Pair, z: alu.Pair) -> dict[Op, jax.Array]:
         Op.I32_GT_S: alu.flag(sa > sb), Op.I32_GT_U: alu.flag(a > b),
         Op.I32_LE_S: alu.flag(sa <= sb), Op.I32_LE_U: alu.flag(a <= b),
         Op.I32_GE_S: alu.flag(sa >= sb), Op.I32_GE_U: alu.flag(a >= b),
-        Op.SELECT: jnp.where(z[0] != 0, a, b),
     }
 
 
@@ -174,7 +175,8 @@ def _divide64(op: jax.Array, x: alu.Pair, y: alu.Pair, executing: jax.Array) -> 
 
 
 def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pair, executing: jax.Array):
-    """Loads and stores: the loaded value, the new memory, and whether the access was out of bounds."""
+    """Loads and stores: the loaded value, the store's pending write (address, 8-byte window), and
+    whether the access was out of bounds."""
     is_load, is_store = record.op == Op.LOAD, record.op == Op.STORE
     width = jnp.where(is_load, record.imm2 & 15, jnp.where(is_store, record.imm2, 0))
     address = x[0] + alu.as_unsigned(record.imm)
@@ -184,9 +186,9 @@ def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pa
     address = jnp.where(out_of_bounds | ~(is_load | is_store), U32(0), address).astype(jnp.int32)
     lanes = jnp.arange(8, dtype=jnp.int32)
     positions = address[:, None] + lanes[None, :]
-    raw = jnp.take_along_axis(state.memory, positions, axis=1).astype(U32)
+    old = jnp.take_along_axis(state.memory, positions, axis=1)
     in_width = lanes[None, :] < width[:, None]
-    raw = jnp.where(in_width, raw, U32(0))
+    raw = jnp.where(in_width, old.astype(U32), U32(0))
     low = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
     high = raw[:, 4] | (raw[:, 5] << 8) | (raw[:, 6] << 16) | (raw[:, 7] << 24)
     signed = (record.imm2 & LOAD_SIGNED) != 0
@@ -199,7 +201,6 @@ def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pa
     high = jnp.where((record.imm2 & LOAD_WIDE) != 0, high, U32(0))
     word = jnp.where(lanes[None, :] < 4, y[0][:, None], y[1][:, None])
     stored = ((word >> (8 * (lanes % 4)).astype(U32)) & U32(0xFF)).astype(jnp.uint8)
-    old = jnp.take_along_axis(state.memory, positions, axis=1)
     writing = (is_store & executing & ~out_of_bounds)[:, None] & in_width
     return (low, high), (address, jnp.where(writing, stored, old)), out_of_bounds
 
@@ -261,8 +262,8 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
 
     grow = _grow(state, op, x, commit)
     value = (jnp.where(op == Op.MGROW, grow[0], value[0]), value[1])
-    write_index = _address(fp, record.dst)
-    write_index = jnp.where(commit & (record.dst != NO_WRITE), write_index, shape.registers)
+    writes = commit & (record.dst != NO_WRITE) & (op != Op.HOSTCALL)  # a host call's result: the host writes it
+    write_index = jnp.where(writes, _address(fp, record.dst), shape.registers)
 
     trace_write = _trace_write(state, record, value, commit, shape)
     trace_row_written = trace_write[0] < shape.trace_entries
@@ -271,7 +272,6 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     taken = commit & branching & (pc != state.pc + 1)
     status = jnp.where(commit & finished, Status.DONE, state.status)
     status = jnp.where(commit & (op == Op.HOSTCALL), Status.SYSCALL, status)  # the host serves it
-    write_index = jnp.where(op == Op.HOSTCALL, shape.registers, write_index)
     return MachineState(
         pc=jnp.where(commit, pc, state.pc),
         fp=jnp.where(commit, new_fp, state.fp),
@@ -312,7 +312,7 @@ def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
         Op.CALL: (alu.as_unsigned(state.pc + 1), alu.as_unsigned(state.fp)),
         Op.RETURN: z,
     }
-    table.update({key: (word, zero) for key, word in _i32_results(x, y, z).items() if key != Op.SELECT})
+    table.update({key: (word, zero) for key, word in _i32_results(x, y).items()})
     table.update(_i64_results(x, y))
     quotient = _divide64(op, x, y, executing)
     table.update(dict.fromkeys(_DIVIDE64, quotient))
@@ -330,8 +330,7 @@ def _trap(state, record, x, y, out_of_bounds, shape) -> jax.Array:
         y[1] == U32(0xFFFFFFFF))
     call_overflow = (op == Op.CALL) & ((state.depth >= shape.max_depth)
                                        | (state.fp + record.b + record.imm2 > shape.registers))
-    within_maximum = x[0] <= (state.max_pages - state.pages).astype(U32)
-    over_limit = (op == Op.MGROW) & within_maximum & (x[0] > (state.page_limit - state.pages).astype(U32))
+    over_limit = (op == Op.MGROW) & _within_maximum(state, x) & (x[0] > (state.page_limit - state.pages).astype(U32))
     trap = jnp.full_like(op, Trap.NONE)
     for condition, code in ((op == Op.UNREACHABLE, Trap.UNREACHABLE), (by_zero, Trap.DIVIDE_BY_ZERO),
                             (overflow32 | overflow64, Trap.OVERFLOW), (out_of_bounds, Trap.OUT_OF_BOUNDS),
@@ -340,10 +339,15 @@ def _trap(state, record, x, y, out_of_bounds, shape) -> jax.Array:
     return trap
 
 
+def _within_maximum(state, x) -> jax.Array:
+    """memory.grow by x stays within the module's maximum (past it the result is -1, not a trap)."""
+    return x[0] <= (state.max_pages - state.pages).astype(U32)
+
+
 def _grow(state, op, x, commit) -> tuple[jax.Array, jax.Array]:
     """memory.grow: the old size or -1 (past the module's maximum), and the new size."""
     requested = x[0]
-    fits = requested <= (state.max_pages - state.pages).astype(U32)
+    fits = _within_maximum(state, x)
     growing = commit & (op == Op.MGROW) & fits
     result = jnp.where(fits, state.pages.astype(U32), U32(0xFFFFFFFF))
     return result, jnp.where(growing, state.pages + requested.astype(jnp.int32), state.pages)
@@ -364,12 +368,20 @@ def _next_pc(state, record, x, condition) -> tuple[jax.Array, jax.Array, jax.Arr
     return next_pc, jnp.where(finished, state.fp, fp), depth, finished
 
 
-def _pack(state: MachineState) -> jax.Array:
+def scalar_row(**values: int) -> np.ndarray:
+    """One slot's scalars in ``SCALAR_FIELDS`` order (fields not given are 0)."""
+    unknown = set(values) - set(SCALAR_FIELDS)
+    if unknown:
+        raise KeyError(f"not machine scalars: {sorted(unknown)}")
+    return np.array([int(values.get(name, 0)) for name in SCALAR_FIELDS], np.int32)
+
+
+def pack_scalars(state: MachineState) -> jax.Array:
     """The per-slot scalars as one [slots, 13] array: the loop updates them in one kernel, not thirteen."""
     return jnp.stack([getattr(state, name) for name in SCALAR_FIELDS], axis=1)
 
 
-def _unpack(scalars: jax.Array, registers: jax.Array, memory: jax.Array, trace: jax.Array) -> MachineState:
+def unpack_scalars(scalars: jax.Array, registers: jax.Array, memory: jax.Array, trace: jax.Array) -> MachineState:
     return MachineState(*(scalars[:, column] for column in range(len(SCALAR_FIELDS))), registers, memory, trace)
 
 
@@ -382,10 +394,10 @@ def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: Machi
 
     def body(carry):
         iteration, scalars, registers, memory, trace, pending = carry
-        current = _apply(_unpack(scalars, registers, memory, trace), pending)
+        current = _apply(unpack_scalars(scalars, registers, memory, trace), pending)
         following, writes = step(current, code, shape)
-        return iteration + 1, _pack(following), following.registers, following.memory, following.trace, writes
+        return iteration + 1, pack_scalars(following), following.registers, following.memory, following.trace, writes
 
-    carry = (jnp.int32(0), _pack(state), state.registers, state.memory, state.trace, _no_writes(shape))
+    carry = (jnp.int32(0), pack_scalars(state), state.registers, state.memory, state.trace, _no_writes(shape))
     _, scalars, registers, memory, trace, pending = lax.while_loop(keep_going, body, carry)
-    return _apply(_unpack(scalars, registers, memory, trace), pending)
+    return _apply(unpack_scalars(scalars, registers, memory, trace), pending)

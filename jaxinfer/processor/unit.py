@@ -22,11 +22,12 @@ from jaxinfer.processor import machine
 from jaxinfer.processor.instance import (
     CompiledModule,
     code_image,
+    entry_scalars,
     initial_globals,
     initial_memory,
     initial_registers,
 )
-from jaxinfer.processor.isa import Status, Trap
+from jaxinfer.processor.isa import Status
 from jaxinfer.processor.lower import Unsupported
 from jaxinfer.processor.protocol import ENTRY_POINTS
 
@@ -35,11 +36,8 @@ ALONE_FACTOR = 16  # a machine-only step (no sequence to compute) runs this many
 
 
 class ExecReport(NamedTuple):
-    status: jax.Array  # [slots] int32
-    trap: jax.Array  # [slots] int32
-    executed: jax.Array  # [slots] int32
-    branches: jax.Array  # [slots] int32
-    results: jax.Array  # [slots, RESULT_REGISTERS, 2] uint32
+    scalars: jax.Array  # [slots, len(SCALAR_FIELDS)] int32 (machine.SCALAR names the columns)
+    results: jax.Array  # [slots, RESULT_REGISTERS, 2] uint32: the registers where results are left
 
 
 @dataclass(frozen=True)
@@ -56,7 +54,7 @@ class SlotImage:
 def report(state: machine.MachineState) -> ExecReport:
     rows = jnp.arange(state.pc.shape[0])[:, None]
     positions = state.fp[:, None] + jnp.arange(RESULT_REGISTERS)[None, :]
-    return ExecReport(state.status, state.trap, state.executed, state.branches, state.registers[rows, positions])
+    return ExecReport(machine.pack_scalars(state), state.registers[rows, positions])
 
 
 def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
@@ -117,8 +115,8 @@ class ExecUnit:
         globals_ = initial_globals(program)
         limit = self.shape.memory_pages if memory_pages is None else min(memory_pages, self.shape.memory_pages)
         memory, pages, max_pages = initial_memory(program, limit, self.shape.memory_pages, memory)
-        scalars = np.array([code.entry, len(globals_), 0, Status.RUNNING, Trap.NONE, max_instructions, 0, pages,
-                            max_pages, limit, 0, int(trace and self.shape.trace_entries > 0), 0], np.int32)
+        scalars = entry_scalars(code, len(globals_), max_instructions, pages, max_pages, limit,
+                                trace and self.shape.trace_entries > 0)
         registers = initial_registers(globals_, code, [], self.shape.registers)
         return SlotImage(code_image(program, self.shape.code_length), registers, memory, scalars, code.results)
 
@@ -126,10 +124,16 @@ class ExecUnit:
         self.state, self.code = self._load(self.state, self.code, np.int32(slot), image.code, image.registers,
                                            image.memory, image.scalars)
 
+    def scalars(self, slot: int) -> np.ndarray:
+        """A slot's scalars on the host (one transfer)."""
+        return np.array(machine.pack_scalars(self.state)[slot])
+
+    def memory(self, slot: int) -> np.ndarray:
+        return np.array(self.state.memory[slot])
+
     def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A slot's scalars, registers and memory on the host (to serve its system call)."""
-        scalars = np.array([int(getattr(self.state, name)[slot]) for name in machine.SCALAR_FIELDS], np.int32)
-        return scalars, np.array(self.state.registers[slot]), np.array(self.state.memory[slot])
+        return self.scalars(slot), np.array(self.state.registers[slot]), self.memory(slot)
 
     def trace_rows(self, slot: int, count: int) -> np.ndarray:
         """The first ``count`` trace rows of a slot (pc, op, value low, value high)."""

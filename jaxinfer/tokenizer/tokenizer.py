@@ -172,7 +172,10 @@ class Tokenizer:
             pending += segment.text[cursor:]
         return ids + self._encode_plain(pending)
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True, keep: frozenset[int] = frozenset()) -> str:
+        """`keep`: special ids shown even when special tokens are skipped."""
+        if skip_special_tokens and keep:
+            ids, skip_special_tokens = [t for t in ids if t not in self.special_ids or t in keep], False
         return self._trusted.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def save(self, folder: Path) -> None:
