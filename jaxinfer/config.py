@@ -187,6 +187,12 @@ class EngineConfig:
     exec_session_ttl_seconds: float = 3600.0
     exec_trace_entries: int = 256  # instructions traced per program (for the audit log and exec_trace=full; 0: off)
     exec_max_trace_tokens: int = 256  # trace text a request's context may receive
+    max_adapters: int = 0  # LoRA adapters resident at once (0: LoRA off); each a slot in the step's stacks
+    max_lora_rank: int = 16  # the slots' rank: an adapter of lower rank is zero-padded, a higher one refused
+    lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapters: tuple[str, ...] = ()  # loaded at start: "NAME" (a registry name) or "NAME=PATH"
+    exec_adapter: str = ""  # requests with exec on that name no adapter use this one ("": none)
+    exec_max_running: int = 0  # requests with exec on running at once (0: no separate cap)
     compile_guard: str = "warn"  # off | warn | raise
     tokenizer_guard: str = "downgrade"  # forged control tokens in user text: downgrade (plain text) | reject
     warmup: bool = True
@@ -222,8 +228,25 @@ class EngineConfig:
                               f"{self.exec_max_instructions}")
         if not 0 <= self.exec_slots <= 1024:
             raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
+        self._check_lora()
         if self.attention_backend not in ("auto", "reference"):
             raise ConfigError(f"engine.attention_backend must be auto or reference, got {self.attention_backend!r}")
+
+    def _check_lora(self) -> None:
+        from jaxinfer.layers.lora import LORA_TARGETS
+
+        if not 0 <= self.max_adapters <= 64:
+            raise ConfigError(f"engine.max_adapters must be in [0, 64], got {self.max_adapters}")
+        if not 1 <= self.max_lora_rank <= 256:
+            raise ConfigError(f"engine.max_lora_rank must be in [1, 256], got {self.max_lora_rank}")
+        unknown = [t for t in self.lora_targets if t not in LORA_TARGETS]
+        if unknown or not self.lora_targets:
+            raise ConfigError(f"engine.lora_targets: unknown {unknown}; choose from {', '.join(LORA_TARGETS)}")
+        if len(self.adapters) > self.max_adapters:
+            raise ConfigError(f"engine.adapters: {len(self.adapters)} adapters, engine.max_adapters is "
+                              f"{self.max_adapters}")
+        if self.exec_max_running < 0:
+            raise ConfigError(f"engine.exec_max_running must be >= 0, got {self.exec_max_running}")
 
     @property
     def exec_machine_shape(self):
@@ -249,8 +272,9 @@ class EngineConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             raise ConfigError(f"unknown engine setting(s): {', '.join(sorted(unknown))}")
-        if "token_buckets" in changes:
-            changes["token_buckets"] = tuple(changes["token_buckets"])
+        for name in ("token_buckets", "lora_targets", "adapters"):
+            if isinstance(changes.get(name), list | tuple):
+                changes[name] = tuple(changes[name])
         return dataclasses.replace(self, **changes)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 
 from jaxinfer import tokenizer as tokenizers_
 from jaxinfer.config import EngineConfig, load_engine_config
+from jaxinfer.engine.adapters import AdapterInfo, parse_adapter_spec
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.spec_step import SpecRunner
@@ -81,6 +83,8 @@ class LLM:
             draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend)
             self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
         self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, tiers=self._kv_tiers(checkpoint))
+        for spec in cfg.adapters:  # engine.adapters: "NAME" or "NAME=PATH", loaded before any request
+            self.load_adapter(*parse_adapter_spec(spec))
         self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
 
@@ -98,6 +102,16 @@ class LLM:
             store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds, cfg.kv_store_max_bytes)
         return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store,
                            cfg.kv_store_sweep_seconds)
+
+    def load_adapter(self, name: str, source: str = "") -> AdapterInfo:
+        """Loads a LoRA adapter (a registry name or folder; default: `name`) for requests to name."""
+        return self.engine.load_adapter(name, source)
+
+    def unload_adapter(self, name: str) -> None:
+        self.engine.unload_adapter(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.engine.list_adapters()
 
     def encode(self, prompt: Prompt, report: GuardReport | None = None) -> list[int]:
         if isinstance(prompt, str):
@@ -124,14 +138,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        adapter: str | Sequence[str] = "",
     ) -> list[RequestOutput]:
         """Outputs in the order of `prompts`: a list of prompts, or one prompt (a string, token ids, or
-        parts such as ["Hi", {"special": "<|im_end|>"}]). A list of strings is several prompts."""
+        parts such as ["Hi", {"special": "<|im_end|>"}]). A list of strings is several prompts.
+        `adapter`: a loaded LoRA adapter's name for all prompts, or one per prompt ("": none)."""
         single = isinstance(prompts, list) and any(isinstance(p, int | dict) for p in prompts)
         if isinstance(prompts, str) or single:
             prompts = [prompts]
         per_request = self._per_request(params, len(prompts))
-        requests = [self.request(p, sp, str(i)) for i, (p, sp) in enumerate(zip(prompts, per_request, strict=True))]
+        adapters = self._per_request_adapter(adapter, len(prompts))
+        requests = [dataclasses.replace(self.request(p, sp, str(i)), adapter=name)
+                    for i, (p, sp, name) in enumerate(zip(prompts, per_request, adapters, strict=True))]
         return self.engine.generate(requests, on_finish)
 
     def generate_chat(
@@ -139,14 +157,25 @@ class LLM:
         conversations: list[dict[str, Any]] | Sequence[list[dict[str, Any]]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        adapter: str | Sequence[str] = "",
     ) -> list[RequestOutput]:
         """Applies the model's chat template (with a generation prompt) to each conversation."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]  # type: ignore[list-item]
         per_request = self._per_request(params, len(conversations))
-        requests = [self.chat_request(list(c), sp, str(i))
-                    for i, (c, sp) in enumerate(zip(conversations, per_request, strict=True))]
+        adapters = self._per_request_adapter(adapter, len(conversations))
+        requests = [dataclasses.replace(self.chat_request(list(c), sp, str(i)), adapter=name)
+                    for i, (c, sp, name) in enumerate(zip(conversations, per_request, adapters, strict=True))]
         return self.engine.generate(requests, on_finish)
+
+    @staticmethod
+    def _per_request_adapter(adapter: str | Sequence[str], n: int) -> list[str]:
+        if isinstance(adapter, str):
+            return [adapter] * n
+        adapters = list(adapter)
+        if len(adapters) != n or not all(isinstance(a, str) for a in adapters):
+            raise RequestError(f"adapter: {len(adapters)} adapter names for {n} prompts")
+        return adapters
 
     @staticmethod
     def _per_request(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -18,8 +18,10 @@ from jaxinfer.models.llama import kv_cache_shape
 class PagedForward:
     """One sequence at a time, written into a page pool whose pages are handed out in a shuffled order."""
 
-    def __init__(self, model: LlamaForCausalLM, page_size: int = 8, num_pages: int = 64, max_pages: int = 32, seed=0):
+    def __init__(self, model: LlamaForCausalLM, page_size: int = 8, num_pages: int = 64, max_pages: int = 32, seed=0,
+                 adapter_slot: int | None = None):
         cfg = model.config
+        self.adapter_slot = adapter_slot  # a LoRA slot for every token (None: the model without adapters)
         self.page_size, self.max_pages = page_size, max_pages
         self.graphdef, self.state = nnx.split(model)
         shape = kv_cache_shape(cfg, num_pages, page_size)
@@ -30,10 +32,10 @@ class PagedForward:
         self._fn = jax.jit(self._forward, static_argnums=0)
 
     @staticmethod
-    def _forward(graphdef, state, caches, tokens, meta):
+    def _forward(graphdef, state, caches, tokens, meta, slots):
         model = nnx.merge(graphdef, state)
-        hidden, caches = model(tokens, caches, meta)
-        return model.logits(hidden), caches
+        hidden, caches = model(tokens, caches, meta, slots)
+        return model.logits(hidden, slots), caches
 
     def run(self, tokens: list[int], start: int) -> np.ndarray:
         """Feeds tokens at positions start.. and returns their logits [len(tokens), vocab]."""
@@ -45,5 +47,7 @@ class PagedForward:
             write_slots=jnp.asarray(self.pages[positions // self.page_size] * self.page_size
                                     + positions % self.page_size),
         )
-        logits, self.caches = self._fn(self.graphdef, self.state, self.caches, jnp.asarray(tokens, jnp.int32), meta)
+        slots = None if self.adapter_slot is None else jnp.full(len(tokens), self.adapter_slot, jnp.int32)
+        logits, self.caches = self._fn(self.graphdef, self.state, self.caches, jnp.asarray(tokens, jnp.int32), meta,
+                                       slots)
         return np.asarray(logits)

@@ -113,6 +113,7 @@ class Request:
     forged_tokens: int = 0  # control tokens forged in user text and encoded as plain text
     cache_salt: str = ""  # prefix-cache namespace (the tenant): pages are shared only within one salt
     tenant: str = ""  # whose files exec programs may map (engine.exec_files_root/<tenant>/); "" = "default"
+    adapter: str = ""  # a loaded LoRA adapter's name ("": the base model, or engine.exec_adapter with exec on)
     # Disaggregated prefill and decode (engine/disagg.py). A prefill worker's request sets `publish_kv`:
     # when it finishes, its prompt's full KV pages are written to the KV store. The decode worker's
     # request continues from the ids generated there, and reads the `stored_pages` leading pages.

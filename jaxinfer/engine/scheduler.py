@@ -119,7 +119,7 @@ class Scheduler:
         deferred: list[Sequence] = []  # an id still in flight, or the next prefix page is being computed
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_seqs:
             seq = self.waiting.popleft()
-            if seq.inflight or seq.paused or not self._attach_prefix(seq):
+            if seq.inflight or seq.paused or self._exec_capped(seq) or not self._attach_prefix(seq):
                 deferred.append(seq)
                 continue
             count = min(seq.num_tokens - seq.num_computed, budget)
@@ -134,6 +134,11 @@ class Scheduler:
             budget -= count
         self.waiting.extendleft(reversed(deferred))
         return chunks
+
+    def _exec_capped(self, seq: Sequence) -> bool:
+        """Requests with exec on wait while engine.exec_max_running of them run (others pass them)."""
+        cap = self.cfg.exec_max_running
+        return bool(cap and seq.params.exec and sum(s.params.exec for s in self.running) >= cap)
 
     # -- pages -------------------------------------------------------------------------------
     def _pages_for(self, seq: Sequence, upto: int) -> bool:
@@ -172,7 +177,7 @@ class Scheduler:
         in one batch), waiting for it is cheaper than computing it twice.
         """
         page_size = self.cfg.page_size
-        keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.request.cache_salt)
+        keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.cache_salt)
         usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
         if self._reading_store(seq, keys[:usable]):
             return False
@@ -256,7 +261,7 @@ class Scheduler:
             return
         tokens = seq.tokens(done * page_size, (full - done) * page_size)
         start = seq.page_keys[-1] if seq.page_keys else b""
-        for i, key in enumerate(chain_keys(tokens, page_size, seq.request.cache_salt, start), start=done):
+        for i, key in enumerate(chain_keys(tokens, page_size, seq.cache_salt, start), start=done):
             self.pool.register(seq.pages[i], key)
             if self._pending.get(key) is seq:
                 del self._pending[key]

@@ -37,6 +37,14 @@ class Sequence:
     exec_source: str | None = None  # a program this sequence wrote, waiting for or running in a slot
     exec_slot: int | None = None  # the processor slot running it
     exec_discard: int = 0  # in-flight samples to drop: they were drawn before the program's result
+    adapter_slot: int = 0  # the LoRA adapter's slot in the step (0: none)
+    adapter_digest: str = ""  # its content hash: part of the prefix-cache namespace
+
+    @property
+    def cache_salt(self) -> str:
+        """Prefix-cache namespace: the tenant's salt, and the adapter (its KV differs from the base's)."""
+        salt = self.request.cache_salt
+        return f"{salt}\x00lora:{self.adapter_digest}" if self.adapter_digest else salt
 
     @property
     def paused(self) -> bool:

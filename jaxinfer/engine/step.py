@@ -28,8 +28,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
+from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
-from jaxinfer.errors import CompileAfterWarmupError
+from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
 from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.layers.attention import AttentionMetadata
@@ -49,6 +50,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
     sampling: SamplingInputs
+    adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
 
 
 @dataclasses.dataclass
@@ -69,6 +71,7 @@ class HostBatch:
     seed: np.ndarray
     step: np.ndarray
     banned: np.ndarray
+    adapters: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -79,7 +82,7 @@ class HostBatch:
         sampling = SamplingInputs(
             self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step, self.banned
         )
-        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling)
+        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, self.adapters)
 
 
 @dataclasses.dataclass
@@ -103,8 +106,8 @@ def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs, m
           exec_fn=None):
     model = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
-    hidden, caches = model(ids, caches, inputs.meta)
-    logits = model.logits(hidden[inputs.logits_rows])
+    hidden, caches = model(ids, caches, inputs.meta, inputs.adapters)
+    logits = model.logits(hidden[inputs.logits_rows], inputs.adapters[inputs.logits_rows])
     tokens, logprobs = sample(logits, inputs.sampling)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
     if exec_fn is None:
@@ -145,6 +148,9 @@ def host_pages(groups: list[jax.Array]) -> list[HostPage]:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
+        self.model = model
+        self.adapters = (AdapterSlots(model, mesh, cfg.max_adapters, cfg.max_lora_rank, cfg.lora_targets)
+                         if cfg.max_adapters else None)
         self.graphdef, self.state = nnx.split(model)
         self.max_pages_per_seq = cfg.max_pages_per_seq(model_cfg)
         self.caches = self.allocate_caches(model_cfg, model.dtype)
@@ -178,6 +184,26 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
         return tuple(KVCache(zeros(), zeros()) for _ in range(m.num_layers))
 
+    # -- LoRA adapters -------------------------------------------------------------------------
+    def load_adapter(self, name: str, source: str = "") -> AdapterInfo:
+        """Loads an adapter into a free slot (engine.max_adapters > 0); the step is not recompiled."""
+        if self.adapters is None:
+            raise RequestError("adapters: this engine serves no LoRA adapters (engine.max_adapters is 0)")
+        info = self.adapters.load(name, source)
+        self._refresh_state()
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        if self.adapters is None:
+            raise RequestError("adapters: this engine serves no LoRA adapters (engine.max_adapters is 0)")
+        self.adapters.unload(name)
+        self._refresh_state()
+
+    def _refresh_state(self) -> None:
+        """The state the step reads: same tree and shapes, new adapter slot contents."""
+        graphdef, self.state = nnx.split(self.model)
+        assert graphdef == self.graphdef, "an adapter load must not change the model's structure"
+
     # -- buckets ---------------------------------------------------------------------------
     def bucket_for(self, num_tokens: int) -> int:
         for bucket in self.cfg.token_buckets:
@@ -207,6 +233,7 @@ class ModelRunner:
             seed=np.zeros(rows, np.uint32),
             step=np.zeros(rows, np.int32),
             banned=np.full((rows, MAX_BANNED), -1, np.int32),
+            adapters=zeros_t.copy(),
         )
 
     # -- compile ---------------------------------------------------------------------------

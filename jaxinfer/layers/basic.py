@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxinfer.layers.lora import LoraParam, added_rows_lookup, added_rows_scores, lora_delta
+
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
     if rngs is None:
@@ -14,7 +16,9 @@ def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel is stored [in, out] (the transpose of torch's Linear)."""
+    """y = x @ kernel (+ LoRA delta) (+ bias); kernel is stored [in, out] (the transpose of torch's Linear).
+
+    `add_lora_slots` gives it adapter slots (layers/lora.py); `lora` is then the tokens' one-hot slot."""
 
     def __init__(
         self,
@@ -28,25 +32,51 @@ class Linear(nnx.Module):
     ):
         self.kernel = nnx.Param(_init(rngs, (in_features, out_features), dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],)) if bias else None
+        self.axes = axes
+        self.lora_a: LoraParam | None = nnx.data(None)
+        self.lora_b: LoraParam | None = nnx.data(None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32).astype(x.dtype)
+    def add_lora_slots(self, a: jax.Array, b: jax.Array) -> None:
+        """Zeroed (or given) adapter stacks a [slots, in, rank], b [slots, rank, out]."""
+        self.lora_a = LoraParam(a, logical_axes=("lora_slots", self.axes[0], "lora_rank"))
+        self.lora_b = LoraParam(b, logical_axes=("lora_slots", "lora_rank", self.axes[1]))
+
+    def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:
+        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
+        if lora is not None and self.lora_a is not None:
+            y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora)
+        y = y.astype(x.dtype)
         if self.bias is not None:
             y = y + self.bias[...]
         return y
 
 
 class Embed(nnx.Module):
-    """Token embedding table [vocab, embed]; `attend` reuses it as a tied output projection."""
+    """Token embedding table [vocab, embed]; `attend` reuses it as a tied output projection.
+
+    With `add_token_slots`, the rows of ids >= `added_start` come from each token's adapter slot."""
 
     def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
         self.weight = nnx.Param(_init(rngs, (vocab, dim), dtype), logical_axes=("vocab", "embed"))
+        self.added_rows: LoraParam | None = nnx.data(None)
+        self.added_start = vocab
 
-    def __call__(self, ids: jax.Array) -> jax.Array:
+    def add_token_slots(self, rows: jax.Array, start: int) -> None:
+        """Per-slot rows [slots, n, embed] for ids start .. start + n - 1."""
+        self.added_rows = LoraParam(rows, logical_axes=("lora_slots", None, "embed"))
+        self.added_start = start
+
+    def __call__(self, ids: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+        if slots is not None and self.added_rows is not None:
+            return added_rows_lookup(self.weight[...], self.added_rows[...], self.added_start, ids, slots)
         return jnp.take(self.weight[...], ids, axis=0)
 
-    def attend(self, x: jax.Array) -> jax.Array:
-        return jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+    def attend(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+        logits = jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+        if slots is not None and self.added_rows is not None:
+            scores = added_rows_scores(x, self.added_rows[...], slots)
+            logits = logits.at[:, self.added_start : self.added_start + scores.shape[1]].set(scores)
+        return logits
 
 
 class RMSNorm(nnx.Module):

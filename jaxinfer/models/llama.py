@@ -8,6 +8,7 @@ tokens, their attention metadata and the per-layer paged KV caches to hidden sta
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -17,6 +18,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
 from jaxinfer.layers.basic import Embed, Linear, RMSNorm
+from jaxinfer.layers.lora import slot_one_hot
 from jaxinfer.layers.rope import apply_rope, inverse_frequencies
 
 
@@ -52,19 +54,19 @@ class Attention(nnx.Module):
         self.backend = backend
 
     def __call__(
-        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array
+        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
     ) -> tuple[jax.Array, KVCache]:
         t = x.shape[0]
-        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        q = self.q_proj(x, lora).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, lora).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, lora).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
         cache = KVCache(self.backend.write(cache.k, k, meta), self.backend.write(cache.v, v, meta))
         out = self.backend.attend(q, cache.k, cache.v, meta, self.head_dim**-0.5)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), cache
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), lora), cache
 
 
 class MLP(nnx.Module):
@@ -74,8 +76,8 @@ class MLP(nnx.Module):
         self.up_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
         self.down_proj = Linear(m, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, lora: jax.Array | None) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
 
 
 class DecoderLayer(nnx.Module):
@@ -86,11 +88,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(
-        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array
+        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
     ) -> tuple[jax.Array, KVCache]:
-        attn_out, cache = self.self_attn(self.input_layernorm(x), cache, meta, inv_freq)
+        attn_out, cache = self.self_attn(self.input_layernorm(x), cache, meta, inv_freq, lora)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x)), cache
+        return x + self.mlp(self.post_attention_layernorm(x), lora), cache
 
 
 class LlamaModel(nnx.Module):
@@ -113,6 +115,8 @@ class LlamaForCausalLM(nnx.Module):
     ):
         self.config = cfg
         self.dtype = dtype
+        self.lora_slots = 0  # adapter slots, slot 0 = none (add_lora_slots)
+        self.base_vocab_size = cfg.vocab_size  # ids from here on were added (extend_vocabulary)
         self.model = LlamaModel(cfg, backend or ReferenceAttention(), dtype, rngs)
         self.lm_head = (
             None
@@ -121,14 +125,16 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(
-        self, tokens: jax.Array, caches: tuple[KVCache, ...], meta: AttentionMetadata
+        self, tokens: jax.Array, caches: tuple[KVCache, ...], meta: AttentionMetadata,
+        adapters: jax.Array | None = None,
     ) -> tuple[jax.Array, tuple[KVCache, ...]]:
-        """tokens [T] -> final-norm hidden states [T, hidden], updated caches (one per layer)."""
-        x = self.model.embed_tokens(tokens)
+        """tokens [T] (with their adapter slots [T]) -> final-norm hidden states [T, hidden], updated caches."""
+        x = self.model.embed_tokens(tokens, adapters)
+        lora = slot_one_hot(adapters, self.lora_slots, x.dtype) if adapters is not None and self.lora_slots else None
         inv_freq = jnp.asarray(inverse_frequencies(self.config))
         new_caches = []
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x, cache = layer(x, cache, meta, inv_freq)
+            x, cache = layer(x, cache, meta, inv_freq, lora)
             new_caches.append(cache)
         return self.model.norm(x), tuple(new_caches)
 
@@ -145,8 +151,33 @@ class LlamaForCausalLM(nnx.Module):
             kernel.set_value(jax.device_put(jnp.pad(kernel[...], ((0, 0), (0, grow))), kernel[...].sharding))
         self.config = dataclasses.replace(self.config, vocab_size=size)
 
-    def logits(self, hidden: jax.Array) -> jax.Array:
-        """float32 logits [..., vocab] for the given hidden rows."""
+    def adaptable_linears(self, targets: tuple[str, ...]) -> dict[str, Linear]:
+        """The projections named in ``targets`` (q_proj ... down_proj), by their checkpoint prefix."""
+        found = {}
+        for i, layer in enumerate(self.model.layers):
+            for block_name, block in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+                for name in targets:
+                    if isinstance(getattr(block, name, None), Linear):
+                        found[f"model.layers.{i}.{block_name}.{name}"] = getattr(block, name)
+        return found
+
+    def add_lora_slots(self, slots: int, rank: int, targets: tuple[str, ...],
+                       zeros: Callable[[tuple[int, ...], tuple[str | None, ...]], jax.Array]) -> None:
+        """Gives the target projections `slots` zeroed adapter slots of `rank`, and, with tied embeddings
+        and ids added past the checkpoint's vocabulary, per-slot rows for those ids (filled with the base's)."""
+        for linear in self.adaptable_linears(targets).values():
+            fan_in, fan_out = linear.kernel[...].shape
+            linear.add_lora_slots(zeros((slots, fan_in, rank), ("lora_slots", linear.axes[0], "lora_rank")),
+                                  zeros((slots, rank, fan_out), ("lora_slots", "lora_rank", linear.axes[1])))
+        embed, start = self.model.embed_tokens, self.base_vocab_size
+        if self.lm_head is None and start < self.config.vocab_size:
+            base = embed.weight[...][start:]
+            rows = zeros((slots, *base.shape), ("lora_slots", None, "embed")) + base[None].astype(embed.weight.dtype)
+            embed.add_token_slots(rows, start)
+        self.lora_slots = slots
+
+    def logits(self, hidden: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
+        """float32 logits [..., vocab] for the given hidden rows (with their adapter slots)."""
         if self.lm_head is None:
-            return self.model.embed_tokens.attend(hidden)
+            return self.model.embed_tokens.attend(hidden, adapters)
         return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)

@@ -84,3 +84,20 @@ def _kind_of(path: Path) -> str:
     raise CheckpointError(
         f"{path}: not a checkpoint folder (no config.json for Hugging Face, no {ORBAX_MARKER} for orbax)"
     )
+
+
+def resolve_adapter(name_or_path: str | os.PathLike) -> Path:
+    """A LoRA adapter folder: a registry name (an entry with kind = "adapter") or a path."""
+    text = str(name_or_path)
+    entries = _registry()
+    if text in entries:
+        path = _entry_path(text, entries[text])
+    else:
+        path = Path(text).expanduser()
+        if not path.exists():
+            adapters = sorted(name for name, entry in entries.items() if entry.get("kind") == "adapter")
+            raise CheckpointError(f"unknown adapter {text!r}: not a registry name and not an existing path; "
+                                  f"registry adapters: {', '.join(adapters) or '(none)'}")
+    if not (path / "adapter_config.json").is_file():
+        raise CheckpointError(f"{path}: not an adapter folder (no adapter_config.json)")
+    return path

@@ -1,0 +1,146 @@
+"""Resident LoRA adapters: which adapter holds which slot of the step's stacks, loads and unloads.
+
+The runner's model carries `engine.max_adapters + 1` slots in every adapted projection (slot 0 is
+"no adapter"). Loading writes an adapter's matrices (zero-padded to `engine.max_lora_rank`) into a
+free slot and unloading zeroes it; shapes never change, so neither recompiles the step. An
+adapter in use by a queued or running request cannot be unloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxinfer.errors import CheckpointError, ConfigError, RequestError
+from jaxinfer.layers.basic import Linear
+from jaxinfer.models import LlamaForCausalLM
+from jaxinfer.parallel import named_sharding
+from jaxinfer.weights.adapter_file import AdapterWeights, read_adapter
+from jaxinfer.weights.registry import resolve_adapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdapterInfo:
+    name: str
+    path: str
+    slot: int
+    rank: int
+    digest: str
+    users: int = 0  # queued and running requests
+
+
+class AdapterSlots:
+    def __init__(self, model: LlamaForCausalLM, mesh: jax.sharding.Mesh, max_adapters: int, max_rank: int,
+                 targets: tuple[str, ...]) -> None:
+        self.model, self.max_adapters, self.max_rank, self.targets = model, max_adapters, max_rank, targets
+
+        def zeros(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.Array:
+            return jax.device_put(jnp.zeros(shape, model.dtype), named_sharding(shape, axes, mesh))
+
+        model.add_lora_slots(max_adapters + 1, max_rank, targets, zeros)
+        self.linears: dict[str, Linear] = model.adaptable_linears(targets)
+        self.by_name: dict[str, AdapterInfo] = {}
+
+    # -- requests ---------------------------------------------------------------------------
+    def slot_of(self, name: str) -> AdapterInfo:
+        info = self.by_name.get(name)
+        if info is None:
+            loaded = ", ".join(sorted(self.by_name)) or "(none)"
+            raise RequestError(f"adapter: {name!r} is not loaded; loaded adapters: {loaded}")
+        return info
+
+    # -- load / unload ------------------------------------------------------------------------
+    def load(self, name: str, source: str | os.PathLike = "") -> AdapterInfo:
+        """Loads `source` (a registry name or folder; default: `name` itself) as `name` into a free slot."""
+        if not name or len(name) > 128:
+            raise RequestError("adapter name: 1 to 128 characters")
+        if name in self.by_name:
+            raise RequestError(f"adapter name: {name!r} is already loaded (unload it first)")
+        free = sorted(set(range(1, self.max_adapters + 1)) - {i.slot for i in self.by_name.values()})
+        if not free:
+            raise RequestError(f"adapters: engine.max_adapters ({self.max_adapters}) adapters are loaded; "
+                               f"unload one first")
+        path = resolve_adapter(str(source or name))
+        weights = read_adapter(path)
+        self._check(path, weights)
+        self._write(free[0], weights)
+        info = self.by_name[name] = AdapterInfo(name, str(path), free[0], weights.rank, weights.digest)
+        log.info("loaded adapter %s (rank %d) from %s into slot %d", name, weights.rank, path, free[0])
+        return info
+
+    def unload(self, name: str) -> None:
+        info = self.slot_of(name)
+        if info.users:
+            raise RequestError(f"adapter: {name!r} is in use by {info.users} request(s); unload it when they end")
+        self._write(info.slot, None)
+        del self.by_name[name]
+
+    def list(self) -> list[AdapterInfo]:
+        return sorted(self.by_name.values(), key=lambda i: i.slot)
+
+    # -- device arrays ------------------------------------------------------------------------
+    def _check(self, path: Path, weights: AdapterWeights) -> None:
+        if weights.rank > self.max_rank:
+            raise CheckpointError(f"{path}: rank {weights.rank} exceeds engine.max_lora_rank ({self.max_rank})")
+        for module, (a, b) in weights.modules.items():
+            linear = self.linears.get(module)
+            if linear is None:
+                raise CheckpointError(f"{path}: targets {module}, which this engine does not adapt (the model has "
+                                      f"{len(self.model.model.layers)} layers; engine.lora_targets is "
+                                      f"{', '.join(self.targets)})")
+            shape = linear.kernel[...].shape
+            if (a.shape[0], b.shape[1]) != shape:
+                raise CheckpointError(f"{path}: {module} maps {a.shape[0]} -> {b.shape[1]}, the model's projection "
+                                      f"{shape[0]} -> {shape[1]}")
+        embed = self.model.model.embed_tokens
+        if weights.token_ids:
+            start, rows = embed.added_start, embed.added_rows
+            count = 0 if rows is None else rows[...].shape[1]
+            outside = [i for i in weights.token_ids if not start <= i < start + count]
+            if outside:
+                raise CheckpointError(f"{path}: trainable_token_indices {outside} are not tokens added to this "
+                                      f"model (ids {start}..{start + count - 1}; the processor's control tokens "
+                                      f"exist only with engine.exec_slots > 0, and only with tied embeddings)")
+            if weights.token_rows.shape[1] != embed.weight[...].shape[1]:
+                raise CheckpointError(f"{path}: trainable token rows have width {weights.token_rows.shape[1]}, "
+                                      f"the embedding {embed.weight[...].shape[1]}")
+
+    def _write(self, slot: int, weights: AdapterWeights | None) -> None:
+        """Puts `weights` (None: zeros) into `slot` of every stack."""
+        for module, linear in self.linears.items():
+            a = np.zeros(linear.lora_a[...].shape[1:], np.float32)
+            b = np.zeros(linear.lora_b[...].shape[1:], np.float32)
+            if weights is not None and module in weights.modules:
+                wa, wb = weights.modules[module]
+                a[:, : wa.shape[1]], b[: wb.shape[0]] = wa, wb
+            _set_slot(linear.lora_a, slot, a)
+            _set_slot(linear.lora_b, slot, b)
+        embed = self.model.model.embed_tokens
+        if embed.added_rows is not None:
+            rows = np.asarray(embed.weight[...][embed.added_start :], np.float32)
+            for token, row in zip(weights.token_ids if weights else (), weights.token_rows if weights else (),
+                                  strict=True):
+                rows[token - embed.added_start] = row
+            _set_slot(embed.added_rows, slot, rows)
+
+
+def _set_slot(variable: nnx.Variable, slot: int, value: np.ndarray) -> None:
+    array = variable[...]
+    variable.set_value(jax.device_put(array.at[slot].set(value.astype(array.dtype)), array.sharding))
+
+
+def parse_adapter_spec(spec: str) -> tuple[str, str]:
+    """"NAME" or "NAME=PATH" (engine.adapters, --adapter) -> (name, source)."""
+    name, _, source = spec.partition("=")
+    if not name:
+        raise ConfigError(f"adapter {spec!r}: expected NAME or NAME=PATH")
+    return name, source or name

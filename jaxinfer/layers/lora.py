@@ -1,0 +1,52 @@
+"""Multi-adapter LoRA on the model's projections, with per-adapter rows for added tokens.
+
+Every adapted `Linear` holds its adapters stacked over *slots*: ``lora_a [slots, in, rank]`` and
+``lora_b [slots, rank, out]`` (the scale ``alpha / rank`` is folded into ``lora_b`` at load). Slot 0
+is "no adapter" and stays zero. A batch names one slot per token, so requests with different
+adapters (or none) share one step; the shapes never depend on which adapters are loaded, so
+loading and unloading replaces array contents and never recompiles.
+
+The delta is computed for every slot at once and masked with the tokens' one-hot slot: x @ A for
+all slots is ``T x slots x in x rank`` multiply-adds, small next to the base projection for the
+few resident adapters an engine keeps (the cost grows linearly with `max_adapters`).
+
+Added tokens (the processor's control tokens, ids ``>= added_start``) may be trained by an adapter
+(PEFT's ``trainable_token_indices``): their embedding rows are kept per slot, and with tied
+embeddings the same rows score those ids in the output.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraParam(nnx.Variable):
+    """Adapter weights stacked over slots: not a checkpoint parameter, and not trained with the base."""
+
+
+def slot_one_hot(slots: jax.Array, num_slots: int, dtype: jnp.dtype) -> jax.Array:
+    """Per-token slot ids [T] -> one-hot [T, num_slots]."""
+    return jax.nn.one_hot(slots, num_slots, dtype=dtype)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, one_hot: jax.Array) -> jax.Array:
+    """x [T, in], a [S, in, r], b [S, r, out], one_hot [T, S] -> the adapters' delta [T, out] in float32."""
+    down = jnp.einsum("ti,sir->tsr", x, a, preferred_element_type=jnp.float32)
+    down = down * one_hot.astype(jnp.float32)[:, :, None]
+    return jnp.einsum("tsr,sro->to", down, b.astype(jnp.float32), preferred_element_type=jnp.float32)
+
+
+def added_rows_lookup(table: jax.Array, rows: jax.Array, start: int, ids: jax.Array, slots: jax.Array) -> jax.Array:
+    """Embeddings of ``ids`` from ``table``, with ids >= start read from their slot's rows [S, n, E]."""
+    base = jnp.take(table, ids, axis=0)
+    added = rows[slots, jnp.clip(ids - start, 0, rows.shape[1] - 1)]
+    return jnp.where((ids >= start)[:, None], added.astype(base.dtype), base)
+
+
+def added_rows_scores(hidden: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
+    """Logits of the added ids for hidden rows [R, E] with slots [R]: [R, n] (tied output head)."""
+    return jnp.einsum("re,rne->rn", hidden, rows[slots], preferred_element_type=jnp.float32)

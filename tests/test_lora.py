@@ -1,0 +1,164 @@
+"""LoRA serving on SmolLM2: adapters made and saved by PEFT itself, checked against PEFT on transformers.
+
+The reference is PEFT's LoRA on the transformers model loading the same GGUF (unmerged, and merged
+into the weights with `merge_and_unload`); the engine reads PEFT's files and serves several adapters
+in one batch, which must equal each request run alone.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from conftest import TEST_ENGINE
+from harness import PagedForward
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.adapters import AdapterSlots
+from jaxinfer.errors import CheckpointError, RequestError
+from jaxinfer.layers.lora import LORA_TARGETS
+from jaxinfer.weights.adapter_file import SAFETENSORS_FILE, read_adapter, save_adapter
+from jaxinfer.weights.loader import load_model
+
+PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Name a prime number."]
+
+
+def peft_adapter(hf_model, folder, seed: int, rank: int = 4, targets=("q_proj", "v_proj", "down_proj"),
+                 use_rslora: bool = False, b_scale: float = 0.05):
+    """A random (nonzero) LoRA adapter made by PEFT on the transformers model and saved in PEFT's layout."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(targets), init_lora_weights=False,
+                        use_rslora=use_rslora)
+    model = get_peft_model(hf_model, config)
+    with torch.no_grad():  # PEFT's random B is large enough to wreck the model: keep the change moderate
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(b_scale)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_path.parent, gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def adapters(hf_model, tmp_path_factory):
+    """Two PEFT adapters on disk: "a" (q, v, down; rank 4) and "b" (all seven projections; rank 8, rsLoRA)."""
+    root = tmp_path_factory.mktemp("adapters")
+    peft_adapter(hf_model, root / "a", seed=1, b_scale=0.5).unload()
+    peft_adapter(hf_model, root / "b", seed=2, rank=8, targets=LORA_TARGETS, use_rslora=True, b_scale=0.3).unload()
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_llm(adapters):
+    llm = LLM("smollm2-135m", **TEST_ENGINE, max_adapters=2, max_lora_rank=8)
+    llm.load_adapter("a", str(adapters / "a"))
+    llm.load_adapter("b", str(adapters / "b"))
+    return llm
+
+
+def test_logits_match_peft_unmerged_and_merged(hf_model, tmp_path, smollm2_llm):
+    """Our slots against PEFT's forward, and against PEFT's merged weights (W + scale * B @ A)."""
+    from peft import PeftModel
+
+    peft_model = peft_adapter(hf_model, tmp_path / "x", seed=3, rank=4, targets=LORA_TARGETS)
+    loaded = load_model("smollm2-135m", smollm2_llm.mesh)
+    slots = AdapterSlots(loaded.model, smollm2_llm.mesh, 2, 8, LORA_TARGETS)
+    slots.load("x", str(tmp_path / "x"))
+    ids = smollm2_llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    ours = PagedForward(loaded.model, page_size=16, num_pages=64, max_pages=16, adapter_slot=1).run(ids, 0)
+    base = PagedForward(loaded.model, page_size=16, num_pages=64, max_pages=16, adapter_slot=0).run(ids, 0)
+    with torch.no_grad():
+        unmerged = peft_model(torch.tensor([ids])).logits[0].numpy()
+        merged_model = PeftModel.from_pretrained(peft_model.unload(), tmp_path / "x").merge_and_unload()
+        merged = merged_model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours - base).max() > 0.5  # the adapter moves the logits by whole units ...
+    np.testing.assert_allclose(ours, unmerged, atol=2e-3, rtol=0)  # ... exactly as PEFT does
+    np.testing.assert_allclose(ours, merged, atol=2e-3, rtol=0)
+
+
+def test_mixed_adapter_batch_equals_each_alone(lora_llm):
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, ignore_eos=True)
+    names = ["a", "b", "", "a", "b", ""]
+    chats = [[{"role": "user", "content": PROMPTS[i % 3]}] for i in range(6)]
+    together = lora_llm.generate_chat(chats, params, adapter=names)
+    for chat, name, out in zip(chats, names, together, strict=True):
+        (alone,) = lora_llm.generate_chat(chat, params, adapter=name)
+        assert out.token_ids == alone.token_ids, (name, out.text, alone.text)
+        np.testing.assert_allclose(out.logprobs, alone.logprobs, atol=1e-4)
+    a, b, base = together[:3] if chats[0] == chats[1] else lora_llm.generate_chat([chats[0]] * 3, params,
+                                                                                   adapter=["a", "b", ""])
+    for one, other in ((a, base), (b, base), (a, b)):  # each adapter changes what the model computes
+        assert one.token_ids != other.token_ids or np.abs(np.subtract(one.logprobs, other.logprobs)).max() > 1e-3
+
+
+def test_prefix_cache_is_per_adapter(lora_llm):
+    prompt = "Summarize the plot of a detective story in three sentences, with a twist at the end."
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    lora_llm.generate(prompt, params)  # the base model's pages are cached
+    (first,) = lora_llm.generate(prompt, params, adapter="a")
+    (second,) = lora_llm.generate(prompt, params, adapter="a")
+    assert first.usage.cached_tokens == 0  # the base model's KV is not the adapter's
+    assert second.usage.cached_tokens > 0
+
+
+def test_load_unload_at_run_time_without_recompiling(lora_llm, hf_model, adapters, tmp_path):
+    compiles = lora_llm.runner.num_compiles
+    with pytest.raises(RequestError, match="max_adapters"):
+        lora_llm.load_adapter("c", str(tmp_path))
+    lora_llm.unload_adapter("b")
+    assert [a.name for a in lora_llm.list_adapters()] == ["a"]
+    with pytest.raises(RequestError, match="adapter: 'b' is not loaded"):
+        lora_llm.generate("hi", SamplingParams(max_tokens=2), adapter="b")
+    peft_adapter(hf_model, tmp_path / "c", seed=4).unload()
+    info = lora_llm.load_adapter("c", str(tmp_path / "c"))
+    assert info.slot == 2
+    (out,) = lora_llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0), adapter="c")
+    assert out.finish_reason in ("stop", "length")
+    assert lora_llm.runner.num_compiles == compiles and lora_llm.runner.compiles_after_warmup == 0
+    lora_llm.unload_adapter("c")
+    lora_llm.load_adapter("b", str(adapters / "b"))
+
+
+def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
+    with pytest.raises(CheckpointError, match=r"no adapter_config\.json"):
+        read_adapter(tmp_path)
+    rng = np.random.default_rng(0)
+    name = "base_model.model.model.layers.{}.self_attn.q_proj.lora_{}.weight"
+    cases = {
+        "rank": ({"r": 32, "lora_alpha": 32}, {name.format(0, "A"): rng.normal(size=(32, 576)),
+                                                name.format(0, "B"): rng.normal(size=(576, 32))}, "max_lora_rank"),
+        "shape": ({"r": 4}, {name.format(0, "A"): rng.normal(size=(4, 100)),
+                             name.format(0, "B"): rng.normal(size=(576, 4))}, "maps 100 -> 576"),
+        "layer": ({"r": 4}, {name.format(40, "A"): rng.normal(size=(4, 576)),
+                             name.format(40, "B"): rng.normal(size=(576, 4))}, "does not adapt"),
+        "tokens": ({"r": 4, "trainable_token_indices": [5]},
+                   {"base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta":
+                    rng.normal(size=(1, 576))}, "not tokens added"),
+        "partner": ({"r": 4}, {name.format(0, "A"): rng.normal(size=(4, 576))}, "without its partner"),
+    }
+    lora_llm.unload_adapter("b")  # a free slot: each refusal is about the adapter, not the count
+    try:
+        for case, (config, tensors, message) in cases.items():
+            arrays = {k: v.astype(np.float32) for k, v in tensors.items()}
+            save_adapter(tmp_path / case, config, arrays, layout="peft")
+            with pytest.raises(CheckpointError, match=message):
+                lora_llm.load_adapter(case, str(tmp_path / case))
+        (tmp_path / "dora").mkdir()
+        (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"r": 4, "use_dora": True}))
+        (tmp_path / "dora" / SAFETENSORS_FILE).write_bytes(b"")
+        with pytest.raises(CheckpointError, match="use_dora"):
+            lora_llm.load_adapter("dora", str(tmp_path / "dora"))
+        assert [a.name for a in lora_llm.list_adapters()] == ["a"]  # nothing half-loaded
+    finally:
+        lora_llm.load_adapter("b", str(adapters / "b"))
