@@ -8,6 +8,7 @@ with an `error` field naming the problem, and every other line still runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -19,12 +20,13 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from jaxinfer.config import load_engine_config
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
-from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.errors import CheckpointError, JaxinferError, RequestError
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-LINE_FIELDS = {"id", "prompt", "messages"} | SAMPLING_FIELDS
+LINE_FIELDS = {"id", "prompt", "messages", "adapter"} | SAMPLING_FIELDS
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Job:
     prompt: str | None = None
     messages: list | None = None
     params: SamplingParams | None = None
+    adapter: str = ""  # a LoRA adapter (registry name or folder) for this line; "": --adapter's
     error: str | None = None
 
 
@@ -65,7 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exec", action="store_true",
                    help="run the programs the model writes in <|exec|> blocks (the processor; per line: \"exec\")")
     p.add_argument("--exec-slots", type=int, default=None,
-                   help="processor slots in the step (default 4 with --exec; 0 turns the processor off)")
+                   help="processor slots in the step (default 4 when a line runs programs; 0: processor off)")
+    p.add_argument("--adapter", default="",
+                   help="LoRA adapter for every line (registry name or folder; per line: \"adapter\")")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -103,6 +108,9 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
             raise RequestError('prompt: must be a non-empty string or a list of parts (strings and {"special": NAME})')
         if has_messages and not isinstance(record["messages"], list):
             raise RequestError("messages: must be a list of {role, content} objects")
+        job.adapter = record.get("adapter", "")
+        if not isinstance(job.adapter, str):
+            raise RequestError("adapter: must be a string (a registry name or an adapter folder)")
         overrides = {k: record[k] for k in SAMPLING_FIELDS if k in record}
         if isinstance(overrides.get("stop"), list):
             overrides["stop"] = tuple(overrides["stop"])
@@ -121,8 +129,10 @@ def read_jobs(stream: TextIO, defaults: dict[str, Any]) -> list[Job]:
 def to_request(llm, job: Job) -> Request | None:
     try:
         if job.messages is not None:
-            return llm.chat_request(job.messages, job.params, str(job.id))
-        return llm.request(job.prompt, job.params, str(job.id))
+            request = llm.chat_request(job.messages, job.params, str(job.id))
+        else:
+            request = llm.request(job.prompt, job.params, str(job.id))
+        return dataclasses.replace(request, adapter=job.adapter)
     except (RequestError, ValueError) as exc:
         job.error = f"line {job.line}: {exc}"
         return None
@@ -139,8 +149,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                  "page_size": args.page_size, "kv_store": args.kv_store, "kv_host_pages": args.kv_host_pages,
                  "draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens,
                  "draft_confidence": args.draft_confidence,
-                 "exec_slots": args.exec_slots if args.exec_slots is not None else (4 if args.exec else None)}
+                 "exec_slots": args.exec_slots}
+    if args.exec_slots is None and any(job.params.exec for job in jobs if job.params is not None):
+        overrides["exec_slots"] = 4  # some line runs programs (--exec, or its own "exec")
+    for job in jobs:
+        job.adapter = job.adapter or args.adapter
+    adapters = sorted({job.adapter for job in jobs if job.error is None} - {""})
+    if adapters:  # every adapter the lines name is resident for the whole run
+        overrides["max_adapters"] = max(len(adapters), load_engine_config(args.config).max_adapters)
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
+    _load_adapters(llm, jobs, adapters)
     start = time.perf_counter()
     engine, job_of = llm.engine, {}
     for job in jobs:
@@ -185,6 +203,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "warmup_s": round(llm.warmup_seconds, 3),
         "model": str(args.model),
     }
+
+
+def _load_adapters(llm, jobs: list[Job], adapters: list[str]) -> None:
+    """Loads each adapter under the name the lines give it; lines naming one that fails get its error."""
+    failed = {}
+    for name in adapters:
+        try:
+            llm.load_adapter(name, name)
+        except (CheckpointError, RequestError) as exc:
+            failed[name] = str(exc)
+    for job in jobs:
+        if job.error is None and job.adapter in failed:
+            job.error = f"line {job.line}: adapter: {failed[job.adapter]}"
 
 
 def cached_by_tier(cached: int, stats: EngineStats) -> dict[str, int]:

@@ -32,26 +32,27 @@ class InferenceClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def stream(self, prompt: Prompt, **sampling: Any) -> Iterator[pb.GenerateResponse]:
+    def stream(self, prompt: Prompt, adapter: str = "", **sampling: Any) -> Iterator[pb.GenerateResponse]:
         """Streams deltas for a text prompt, token ids, or chat messages ([{"role", "content"}])."""
-        return self.stub.Generate(self.request(prompt, **sampling), timeout=self.timeout, metadata=self.metadata)
+        return self.stub.Generate(self.request(prompt, adapter=adapter, **sampling), timeout=self.timeout,
+                                  metadata=self.metadata)
 
-    def generate(self, prompt: Prompt, **sampling: Any) -> tuple[str, pb.GenerateResponse]:
+    def generate(self, prompt: Prompt, adapter: str = "", **sampling: Any) -> tuple[str, pb.GenerateResponse]:
         """The whole text, and the last message (finish reason, usage)."""
         text, last = [], None
-        for last in self.stream(prompt, **sampling):
+        for last in self.stream(prompt, adapter, **sampling):
             text.append(last.text)
         return "".join(text), last
 
     @staticmethod
-    def request(prompt: Prompt, request_id: str = "", **sampling: Any):
-        params = pb.SamplingParams(**sampling)
+    def request(prompt: Prompt, request_id: str = "", adapter: str = "", **sampling: Any):
+        common = dict(sampling=pb.SamplingParams(**sampling), request_id=request_id, adapter=adapter)
         if isinstance(prompt, str):
-            return pb.GenerateRequest(text=prompt, sampling=params, request_id=request_id)
+            return pb.GenerateRequest(text=prompt, **common)
         if prompt and all(isinstance(m, dict) for m in prompt):
             chat = pb.Messages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt])
-            return pb.GenerateRequest(chat=chat, sampling=params, request_id=request_id)
-        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=params, request_id=request_id)
+            return pb.GenerateRequest(chat=chat, **common)
+        return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), **common)
 
 
 class AsyncInferenceClient:
@@ -72,8 +73,8 @@ class AsyncInferenceClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def stream(self, prompt: Prompt, **sampling: Any) -> AsyncIterator[pb.GenerateResponse]:
-        call = self.stub.Generate(InferenceClient.request(prompt, **sampling), timeout=self.timeout,
+    async def stream(self, prompt: Prompt, adapter: str = "", **sampling: Any) -> AsyncIterator[pb.GenerateResponse]:
+        call = self.stub.Generate(InferenceClient.request(prompt, adapter=adapter, **sampling), timeout=self.timeout,
                                   metadata=self.metadata)
         try:
             async for response in call:
@@ -81,9 +82,9 @@ class AsyncInferenceClient:
         finally:  # a caller that stops reading early must not leave the server generating
             call.cancel()
 
-    async def generate(self, prompt: Prompt, **sampling: Any) -> tuple[str, pb.GenerateResponse]:
+    async def generate(self, prompt: Prompt, adapter: str = "", **sampling: Any) -> tuple[str, pb.GenerateResponse]:
         text, last = [], None
-        async for last in self.stream(prompt, **sampling):
+        async for last in self.stream(prompt, adapter, **sampling):
             text.append(last.text)
         return "".join(text), last
 

@@ -13,9 +13,10 @@ import uuid
 import grpc
 import numpy as np
 
+from jaxinfer.engine.adapters import AdapterInfo
 from jaxinfer.engine.disagg import decode_request
 from jaxinfer.engine.params import Request, RequestOutput
-from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from serving.convert import FINISH_REASONS, sampling_params
@@ -78,6 +79,12 @@ class InferenceService(pb_grpc.InferenceServicer):
                            pb.DetokenizeResponse),
             "ListModels": (grpc.unary_unary_rpc_method_handler, self.ListModels, pb.ListModelsRequest,
                            pb.ListModelsResponse),
+            "LoadAdapter": (grpc.unary_unary_rpc_method_handler, self.LoadAdapter, pb.LoadAdapterRequest,
+                            pb.AdapterInfo),
+            "UnloadAdapter": (grpc.unary_unary_rpc_method_handler, self.UnloadAdapter, pb.UnloadAdapterRequest,
+                              pb.UnloadAdapterResponse),
+            "ListAdapters": (grpc.unary_unary_rpc_method_handler, self.ListAdapters, pb.ListAdaptersRequest,
+                             pb.ListAdaptersResponse),
         }
         handlers = {
             name: make(method, request_deserializer=lenient(request), response_serializer=response.SerializeToString)
@@ -119,7 +126,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         except (RequestError, ValueError) as exc:
             self._count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        engine_req = dataclasses.replace(engine_req, cache_salt=tenant.cache_salt, tenant=tenant.name)
+        engine_req = dataclasses.replace(engine_req, cache_salt=tenant.cache_salt, tenant=tenant.name,
+                                         adapter=request.adapter)
         cost = len(engine_req.prompt_ids) + engine_req.params.max_tokens
         try:
             self.tenants.admit(tenant, cost)
@@ -260,3 +268,37 @@ class InferenceService(pb_grpc.InferenceServicer):
         for axis, size in self.llm.mesh.shape.items():
             info.mesh[axis] = size
         return pb.ListModelsResponse(models=[info])
+
+    # -- LoRA adapters: applied on the engine thread, between steps ---------------------------------
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        await self._admit_admin(context, request)
+        info = await self._on_engine(context, lambda engine: engine.load_adapter(request.name, request.source))
+        return adapter_info(info)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
+        await self._admit_admin(context, request)
+        await self._on_engine(context, lambda engine: engine.unload_adapter(request.name))
+        return pb.UnloadAdapterResponse()
+
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context: grpc.aio.ServicerContext):
+        await self.admit_call(context, request)
+        adapters = await self._on_engine(context, lambda engine: engine.list_adapters())
+        return pb.ListAdaptersResponse(adapters=[adapter_info(info) for info in adapters])
+
+    async def _admit_admin(self, context: grpc.aio.ServicerContext, request: object) -> None:
+        tenant = await self.admit_call(context, request)
+        if not tenant.admin:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"tenant {tenant.name!r}: loading and unloading adapters needs an admin tenant")
+
+    async def _on_engine(self, context: grpc.aio.ServicerContext, fn):
+        """`fn(engine)` on the engine thread; a refused request or adapter is INVALID_ARGUMENT."""
+        try:
+            return await asyncio.wrap_future(self.worker.call(fn))
+        except (RequestError, CheckpointError, ConfigError) as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+
+def adapter_info(info: AdapterInfo) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=info.name, path=info.path, slot=info.slot, rank=info.rank, digest=info.digest,
+                          users=info.users)

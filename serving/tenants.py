@@ -21,13 +21,14 @@ class Tenant:
     max_concurrent: int = 0  # 0: no limit
     max_queued_tokens: int = 0  # prompt + max_tokens of the tenant's unfinished requests; 0: no limit
     cache_group: str = ""  # tenants with the same group share prefix-cache pages; "": the tenant alone
+    admin: bool = False  # may load and unload LoRA adapters (with authentication off, everyone may)
 
     @property
     def cache_salt(self) -> str:
         return self.cache_group or f"tenant:{self.name}"
 
 
-LOCAL = Tenant("local")  # everyone, when authentication is off
+LOCAL = Tenant("local", admin=True)  # everyone, when authentication is off
 
 
 class LimitExceeded(Exception):

@@ -17,7 +17,9 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput
@@ -65,6 +67,7 @@ class EngineWorker:
         self.engine = engine
         self._adds: queue.Queue[_Stream] = queue.Queue(maxsize=max_queued)
         self._aborts: queue.SimpleQueue[_Stream] = queue.SimpleQueue()  # unbounded: cancel never blocks
+        self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future]] = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
         self._stop = threading.Event()
         self.dead: str | None = None  # why the engine thread stopped, if it did
@@ -99,6 +102,15 @@ class EngineWorker:
         stream.cancelled = True
         self._aborts.put(stream)
 
+    def call(self, fn: Callable[[Engine], Any]) -> Future:
+        """Runs `fn(engine)` on the worker thread between steps (adapter loads); its result or error
+        arrives in the returned future."""
+        if self.dead is not None:
+            raise WorkerDead(f"the engine stopped: {self.dead}")
+        future: Future = Future()
+        self._calls.put((fn, future))
+        return future
+
     # -- the worker thread -------------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -132,7 +144,16 @@ class EngineWorker:
             try:
                 self._abort(self._aborts.get_nowait())
             except queue.Empty:
+                break
+        while True:
+            try:
+                fn, future = self._calls.get_nowait()
+            except queue.Empty:
                 return
+            try:
+                future.set_result(fn(self.engine))
+            except Exception as exc:  # the caller gets the error, the engine goes on
+                future.set_exception(exc)
 
     def _add(self, stream: _Stream) -> None:
         if stream.cancelled:

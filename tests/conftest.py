@@ -53,3 +53,20 @@ def smollm2_llm():
     from jaxinfer import LLM
 
     return LLM("smollm2-135m", **TEST_ENGINE)
+
+
+@pytest.fixture(scope="session")
+def files_root(tmp_path_factory: pytest.TempPathFactory):
+    """Tenant files for exec programs: acme/numbers.txt."""
+    root = tmp_path_factory.mktemp("tenants")
+    (root / "acme").mkdir()
+    (root / "acme" / "numbers.txt").write_bytes(b"40 2")
+    return root
+
+
+@pytest.fixture(scope="session")
+def exec_llm(files_root):
+    """SmolLM2 with processor slots (and one adapter slot, for the exec adapter)."""
+    from jaxinfer import LLM
+
+    return LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2, exec_files_root=str(files_root), max_adapters=1)

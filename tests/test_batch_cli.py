@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO
 
@@ -28,6 +29,7 @@ def obj(**fields) -> str:
     return json.dumps(fields, ensure_ascii=False)
 
 
+ADAPTER_DIR = "@adapter@"  # replaced by the path of a random LoRA adapter in PEFT's layout (see `workdir`)
 # (input line, None for a good line or the substrings its error must contain)
 LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="greedy-prompt", prompt="The capital of France is"), None),
@@ -55,6 +57,8 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="empty", prompt=""), ("prompt",)),
     (obj(id="empty-stop", prompt="x", stop=[""]), ("stop[0]",)),
     (obj(prompt="No id on this line, so the id is the line number:"), None),
+    (obj(id="adapted", messages=[{"role": "user", "content": "Name a color."}], adapter=ADAPTER_DIR), None),
+    (obj(id="lost-adapter", prompt="x", adapter="/nonexistent/adapter"), ("adapter", "not an existing path")),
 ]
 NON_BLANK = [(number, text, expect) for number, (text, expect) in enumerate(LINES, 1) if text.strip()]
 BAD = [(number, expect) for number, _, expect in NON_BLANK if expect is not None]
@@ -81,8 +85,23 @@ def batch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("batch")
     (root / "engine.toml").write_text(ENGINE_TOML)
-    (root / "in.jsonl").write_text("".join(text + "\n" for text, _ in LINES), encoding="utf-8")
+    write_random_adapter(root / "lora")
+    lines = "".join(text.replace(ADAPTER_DIR, str(root / "lora")) + "\n" for text, _ in LINES)
+    (root / "in.jsonl").write_text(lines, encoding="utf-8")
     return root
+
+
+def write_random_adapter(folder: Path) -> None:
+    """Rank-4 LoRA on every layer's q and down projections, strong enough to change greedy text."""
+    from jaxinfer.weights.adapter_file import lora_name, save_adapter
+
+    rng, tensors = np.random.default_rng(0), {}
+    for layer in range(30):
+        for module, (fan_in, fan_out) in {"self_attn.q_proj": (576, 576), "mlp.down_proj": (1536, 576)}.items():
+            name = f"model.layers.{layer}.{module}"
+            tensors[lora_name(name, "A")] = rng.normal(0, 0.5, (4, fan_in)).astype(np.float32)
+            tensors[lora_name(name, "B")] = rng.normal(0, 0.5, (fan_out, 4)).astype(np.float32)
+    save_adapter(folder, {"r": 4, "lora_alpha": 4, "target_modules": ["q_proj", "down_proj"]}, tensors, layout="peft")
 
 
 def model_args(workdir: Path, output: str) -> list[str]:
@@ -230,3 +249,9 @@ def test_missing_input_exits_nonzero_with_a_clear_message(tmp_path):
     assert "--input" in proc.stderr and "/nonexistent.jsonl" in proc.stderr and "not found" in proc.stderr
     assert not out.exists()
     assert not (tmp_path / "out.jsonl.tmp").exists()
+
+
+@pytest.mark.slow
+def test_a_line_with_an_adapter_runs_with_it(records):
+    by_id = {record["id"]: record for record in records}
+    assert by_id["adapted"]["token_ids"] != by_id[42]["token_ids"]  # the same chat, without the adapter

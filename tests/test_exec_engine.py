@@ -1,9 +1,9 @@
 """Exec mode in generation on the real SmolLM2: programs run inside the step, results enter the context.
 
-One engine with processor slots serves every test. The model was never trained to write programs,
-so each test either ends the prompt with a complete ``<|exec|>`` block (trusted structured parts),
-or, for the sampled path, gives the ``<|/exec|>`` row of the embedding a direction that makes it
-the greedy choice right after the program text.
+One engine with processor slots serves every test (conftest's `exec_llm`). The base model was
+never trained to write programs, so each test either ends the prompt with a complete ``<|exec|>``
+block (trusted structured parts), or, for the sampled path, gives the ``<|/exec|>`` row of the
+embedding a direction that makes it the greedy choice right after the program text.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import TEST_ENGINE
 
 from jaxinfer import LLM
 from jaxinfer.engine.params import SamplingParams
@@ -31,19 +30,6 @@ def exec_prompt(program: str) -> list:
 
 def greedy(max_tokens: int = 8, **fields) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **fields)
-
-
-@pytest.fixture(scope="module")
-def files_root(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("tenants")
-    (root / "acme").mkdir()
-    (root / "acme" / "numbers.txt").write_bytes(b"40 2")
-    return root
-
-
-@pytest.fixture(scope="module")
-def exec_llm(files_root) -> LLM:
-    return LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2, exec_files_root=str(files_root))
 
 
 def result_ids(llm: LLM, text: str) -> list[int]:

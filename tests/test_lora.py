@@ -162,3 +162,43 @@ def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
         assert [a.name for a in lora_llm.list_adapters()] == ["a"]  # nothing half-loaded
     finally:
         lora_llm.load_adapter("b", str(adapters / "b"))
+
+
+def test_adapters_over_grpc(lora_llm, adapters):
+    """LoadAdapter / UnloadAdapter (admin tenants only) / ListAdapters, and Generate naming an adapter."""
+    import grpc
+    from test_serving import RunningServer
+
+    from serving.client import InferenceClient
+    from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+    from serving.tenants import Tenant
+
+    tenants = (Tenant("ops", api_key="key-ops", admin=True), Tenant("user", api_key="key-user"))
+    running = RunningServer(lora_llm, auth=True, tenants=tenants)
+    running.call(running.server.load())
+    chat = [{"role": "user", "content": PROMPTS[1]}]
+    try:
+        with (InferenceClient(running.target, timeout=120, api_key="key-user") as user,
+              InferenceClient(running.target, timeout=120, api_key="key-ops") as ops):
+            listed = user.stub.ListAdapters(pb.ListAdaptersRequest(), metadata=user.metadata).adapters
+            assert [(a.name, a.slot, a.rank) for a in listed] == [("a", 1, 4), ("b", 2, 8)]
+            with pytest.raises(grpc.RpcError) as denied:
+                user.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="a"), metadata=user.metadata)
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            ops.stub.UnloadAdapter(pb.UnloadAdapterRequest(name="b"), metadata=ops.metadata)
+            with pytest.raises(grpc.RpcError) as missing:
+                ops.stub.LoadAdapter(pb.LoadAdapterRequest(name="b", source="/no/such/adapter"), metadata=ops.metadata)
+            assert missing.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not an existing path" in missing.value.details()
+            info = ops.stub.LoadAdapter(pb.LoadAdapterRequest(name="b", source=str(adapters / "b")),
+                                        metadata=ops.metadata)
+            assert (info.name, info.slot, info.rank, len(info.digest)) == ("b", 2, 8, 32)
+            text, last = user.generate(chat, adapter="b", max_tokens=10, temperature=0.0)
+            (expected,) = lora_llm.generate_chat(chat, SamplingParams(max_tokens=10, temperature=0.0), adapter="b")
+            assert text == expected.text and last.usage.completion_tokens == len(expected.token_ids)
+            with pytest.raises(grpc.RpcError) as unknown:
+                user.generate(chat, adapter="zzz", max_tokens=2)
+            assert unknown.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "adapter: 'zzz' is not loaded" in unknown.value.details()
+    finally:
+        running.close()

@@ -199,6 +199,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", type=Path, default=None, help="write the loss curve here (needs matplotlib)")
+    p.add_argument("--save-every", type=int, default=50, help="also save the adapter every N steps (0: at the end)")
     args = p.parse_args()
     started = time.perf_counter()
     model, tokenizer = build_model(args.model, args.rank, args.seed)
@@ -219,11 +220,21 @@ def main() -> None:
         ids, mask = pending.pop()
         lora, opt_state, loss = step_fn(lora, opt_state, rest, jnp.asarray(ids), jnp.asarray(mask))
         losses.append(float(loss))
+        if args.save_every and len(losses) % args.save_every == 0 and len(losses) < args.steps:
+            save(nnx.merge(graphdef, lora, rest), args, losses, time.perf_counter() - train_started, started)
         if len(losses) % 10 == 0:
             print(json.dumps({"step": len(losses), "loss": round(float(np.mean(losses[-10:])), 4),
                               "elapsed_s": round(time.perf_counter() - train_started, 1)}), flush=True)
     train_seconds = time.perf_counter() - train_started
-    model = nnx.merge(graphdef, lora, rest)
+    report = save(nnx.merge(graphdef, lora, rest), args, losses, train_seconds, started)
+    if args.plot is not None:
+        plot(losses, args.plot, f"smollm2-135m-exec: rank {args.rank}, {args.steps} steps, "
+                                f"{train_seconds / 60:.0f} min on {os.cpu_count()} CPU cores")
+    print(json.dumps({k: v for k, v in report.items() if k != "losses"}))
+
+
+def save(model, args: argparse.Namespace, losses: list[float], train_seconds: float, started: float) -> dict:
+    """Writes the adapter and train_log.json (after `len(losses)` steps) into args.output."""
     config, tensors = adapter_tensors(model, args.rank)
     save_adapter(args.output, config, tensors, layout="orbax")
     report = {"command": " ".join(["python", *sys.argv]), "machine": f"{platform.processor() or platform.machine()}, "
@@ -232,12 +243,9 @@ def main() -> None:
               "rank": args.rank, "lr": args.lr, "seed": args.seed, "train_s": round(train_seconds, 1),
               "total_s": round(time.perf_counter() - started, 1),
               "adapter_bytes": sum(t.nbytes for t in tensors.values()),
-              "losses": [round(x, 5) for x in losses]}
+              "steps_done": len(losses), "losses": [round(x, 5) for x in losses]}
     (args.output / "train_log.json").write_text(json.dumps(report, indent=1))
-    if args.plot is not None:
-        plot(losses, args.plot, f"smollm2-135m-exec: rank {args.rank}, {args.steps} steps, "
-                                f"{train_seconds / 60:.0f} min on {os.cpu_count()} CPU cores")
-    print(json.dumps({k: v for k, v in report.items() if k != "losses"}))
+    return report
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ class AdapterSlots:
             _set_slot(linear.lora_b, slot, b)
         embed = self.model.model.embed_tokens
         if embed.added_rows is not None:
-            rows = np.asarray(embed.weight[...][embed.added_start :], np.float32)
+            rows = np.array(embed.weight[...][embed.added_start :], np.float32)
             for token, row in zip(weights.token_ids if weights else (), weights.token_rows if weights else (),
                                   strict=True):
                 rows[token - embed.added_start] = row

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.layers.lora import LoraParam, added_rows_lookup, added_rows_scores, lora_delta
+from jaxinfer.layers.lora import LoraParam, added_rows_logits, added_rows_lookup, lora_delta
 
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
@@ -74,8 +74,7 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
         logits = jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
         if slots is not None and self.added_rows is not None:
-            scores = added_rows_scores(x, self.added_rows[...], slots)
-            logits = logits.at[:, self.added_start : self.added_start + scores.shape[1]].set(scores)
+            logits = added_rows_logits(logits, x, self.added_rows[...], self.added_start, slots)
         return logits
 
 

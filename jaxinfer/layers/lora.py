@@ -41,12 +41,17 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, one_hot: jax.Array) -> 
 
 
 def added_rows_lookup(table: jax.Array, rows: jax.Array, start: int, ids: jax.Array, slots: jax.Array) -> jax.Array:
-    """Embeddings of ``ids`` from ``table``, with ids >= start read from their slot's rows [S, n, E]."""
+    """Embeddings of ``ids`` from ``table``; ids >= start of tokens with an adapter (slot > 0) are read
+    from their slot's rows [S, n, E] (slot 0 keeps the base table's rows)."""
     base = jnp.take(table, ids, axis=0)
     added = rows[slots, jnp.clip(ids - start, 0, rows.shape[1] - 1)]
-    return jnp.where((ids >= start)[:, None], added.astype(base.dtype), base)
+    return jnp.where(((ids >= start) & (slots > 0))[:, None], added.astype(base.dtype), base)
 
 
-def added_rows_scores(hidden: jax.Array, rows: jax.Array, slots: jax.Array) -> jax.Array:
-    """Logits of the added ids for hidden rows [R, E] with slots [R]: [R, n] (tied output head)."""
-    return jnp.einsum("re,rne->rn", hidden, rows[slots], preferred_element_type=jnp.float32)
+def added_rows_logits(logits: jax.Array, hidden: jax.Array, rows: jax.Array, start: int, slots: jax.Array
+                      ) -> jax.Array:
+    """Replaces the added ids' logits [R, start:start+n] of rows with an adapter by the scores of their
+    slot's rows (tied output head); hidden [R, E], slots [R]."""
+    end = start + rows.shape[1]
+    scores = jnp.einsum("re,rne->rn", hidden, rows[slots], preferred_element_type=jnp.float32)
+    return logits.at[:, start:end].set(jnp.where((slots > 0)[:, None], scores, logits[:, start:end]))

@@ -54,6 +54,21 @@ class InferenceStub:
                 request_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/jaxinfer.v1.Inference/LoadAdapter',
+                request_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/jaxinfer.v1.Inference/UnloadAdapter',
+                request_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.UnloadAdapterResponse.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/jaxinfer.v1.Inference/ListAdapters',
+                request_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -84,6 +99,26 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """LoRA adapters, resident next to the base model; a request names one in GenerateRequest.adapter.
+        Loading and unloading need an admin tenant when authentication is on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -106,6 +141,21 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListModelsRequest.FromString,
                     response_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.UnloadAdapterResponse.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -216,6 +266,87 @@ class Inference:
             '/jaxinfer.v1.Inference/ListModels',
             serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListModelsRequest.SerializeToString,
             serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Inference/LoadAdapter',
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Inference/UnloadAdapter',
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.UnloadAdapterRequest.SerializeToString,
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.UnloadAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/jaxinfer.v1.Inference/ListAdapters',
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListAdaptersRequest.SerializeToString,
+            serving_dot_proto_dot_jaxinfer_dot_v1_dot_inference__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
