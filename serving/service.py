@@ -135,7 +135,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:  # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
-            if self.router is not None:
+            if self.router is not None and not engine_req.adapter:  # prefill workers serve the base model
                 engine_req, done = await self._prefill_on_peer(engine_req, context)
                 if done is not None:
                     self._count("ok", done.final)
