@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from jaxinfer.config import load_engine_config
+from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.errors import CheckpointError, JaxinferError, RequestError
@@ -155,8 +156,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for job in jobs:
         job.adapter = job.adapter or args.adapter
     adapters = sorted({job.adapter for job in jobs if job.error is None} - {""})
-    if adapters:  # every adapter the lines name is resident for the whole run
-        overrides["max_adapters"] = max(len(adapters), load_engine_config(args.config).max_adapters)
+    if adapters:  # every adapter the lines name is resident for the whole run, with those of the config
+        config = load_engine_config(args.config)
+        preloaded = {parse_adapter_spec(spec)[0] for spec in config.adapters}
+        overrides["max_adapters"] = max(len(set(adapters) | preloaded), config.max_adapters)
     llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
     _load_adapters(llm, jobs, adapters)
     start = time.perf_counter()
@@ -207,8 +210,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _load_adapters(llm, jobs: list[Job], adapters: list[str]) -> None:
     """Loads each adapter under the name the lines give it; lines naming one that fails get its error."""
-    failed = {}
+    failed, loaded = {}, {info.name for info in llm.list_adapters()}  # engine.adapters are loaded at start
     for name in adapters:
+        if name in loaded:
+            continue
         try:
             llm.load_adapter(name, name)
         except (CheckpointError, RequestError) as exc:

@@ -245,6 +245,8 @@ class EngineConfig:
         if len(self.adapters) > self.max_adapters:
             raise ConfigError(f"engine.adapters: {len(self.adapters)} adapters, engine.max_adapters is "
                               f"{self.max_adapters}")
+        if self.exec_adapter and (not self.max_adapters or self.draft_model):
+            raise ConfigError("engine.exec_adapter needs engine.max_adapters > 0 and no engine.draft_model")
         if self.exec_max_running < 0:
             raise ConfigError(f"engine.exec_max_running must be >= 0, got {self.exec_max_running}")
 

@@ -13,7 +13,7 @@ import uuid
 import grpc
 import numpy as np
 
-from jaxinfer.engine.adapters import AdapterInfo
+from jaxinfer.engine.adapters import AdapterInfo, read_adapter_source
 from jaxinfer.engine.disagg import decode_request
 from jaxinfer.engine.params import Request, RequestOutput
 from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
@@ -135,7 +135,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:  # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
-            if self.router is not None and not engine_req.adapter:  # prefill workers serve the base model
+            if self.router is not None and not self._adapter_name(engine_req):  # prefill peers: base model only
                 engine_req, done = await self._prefill_on_peer(engine_req, context)
                 if done is not None:
                     self._count("ok", done.final)
@@ -272,7 +272,11 @@ class InferenceService(pb_grpc.InferenceServicer):
     # -- LoRA adapters: applied on the engine thread, between steps ---------------------------------
     async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
         await self._admit_admin(context, request)
-        info = await self._on_engine(context, lambda engine: engine.load_adapter(request.name, request.source))
+        try:  # reading and hashing the files happens here; the engine thread only fills the slot
+            read = await asyncio.to_thread(read_adapter_source, request.source or request.name)
+        except CheckpointError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        info = await self._on_engine(context, lambda engine: engine.load_adapter(request.name, request.source, read))
         return adapter_info(info)
 
     async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: grpc.aio.ServicerContext):
@@ -295,8 +299,14 @@ class InferenceService(pb_grpc.InferenceServicer):
         """`fn(engine)` on the engine thread; a refused request or adapter is INVALID_ARGUMENT."""
         try:
             return await asyncio.wrap_future(self.worker.call(fn))
+        except WorkerDead as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (RequestError, CheckpointError, ConfigError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    def _adapter_name(self, request: Request) -> str:
+        """The adapter a request runs with: its own, or engine.exec_adapter for exec requests."""
+        return request.adapter or (self.llm.config.exec_adapter if request.params.exec else "")
 
 
 def adapter_info(info: AdapterInfo) -> pb.AdapterInfo:

@@ -122,6 +122,17 @@ class EngineWorker:
             log.exception("engine thread stopped")
             self.dead = f"{type(exc).__name__}: {exc}"
             self._fail_all(f"engine thread stopped: {self.dead}")
+        self._fail_calls(WorkerDead(f"the engine stopped: {self.dead or 'shut down'}"))
+
+    def _fail_calls(self, error: Exception) -> None:
+        """Answers every queued call with `error` (the thread is ending)."""
+        while True:
+            try:
+                _, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def _step(self) -> None:
         try:
@@ -150,6 +161,8 @@ class EngineWorker:
                 fn, future = self._calls.get_nowait()
             except queue.Empty:
                 return
+            if not future.set_running_or_notify_cancel():  # the caller gave up (deadline, cancel): skip it
+                continue
             try:
                 future.set_result(fn(self.engine))
             except Exception as exc:  # the caller gets the error, the engine goes on

@@ -7,6 +7,8 @@ in one batch, which must equal each request run alone.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -67,11 +69,13 @@ def lora_llm(adapters):
     return llm
 
 
-def test_logits_match_peft_unmerged_and_merged(hf_model, tmp_path, smollm2_llm):
+@pytest.mark.parametrize("use_rslora", [False, True])
+def test_logits_match_peft_unmerged_and_merged(hf_model, tmp_path, smollm2_llm, use_rslora):
     """Our slots against PEFT's forward, and against PEFT's merged weights (W + scale * B @ A)."""
     from peft import PeftModel
 
-    peft_model = peft_adapter(hf_model, tmp_path / "x", seed=3, rank=4, targets=LORA_TARGETS)
+    peft_model = peft_adapter(copy.deepcopy(hf_model), tmp_path / "x", seed=3, rank=4, targets=LORA_TARGETS,
+                              use_rslora=use_rslora)  # a copy: merge_and_unload writes into the base weights
     loaded = load_model("smollm2-135m", smollm2_llm.mesh)
     slots = AdapterSlots(loaded.model, smollm2_llm.mesh, 2, 8, LORA_TARGETS)
     slots.load("x", str(tmp_path / "x"))
@@ -160,6 +164,8 @@ def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
         with pytest.raises(CheckpointError, match="use_dora"):
             lora_llm.load_adapter("dora", str(tmp_path / "dora"))
         assert [a.name for a in lora_llm.list_adapters()] == ["a"]  # nothing half-loaded
+        for linear in lora_llm.runner.adapters.linears.values():
+            assert not np.any(np.asarray(linear.lora_a[...][2])) and not np.any(np.asarray(linear.lora_b[...][2]))
     finally:
         lora_llm.load_adapter("b", str(adapters / "b"))
 
@@ -202,3 +208,51 @@ def test_adapters_over_grpc(lora_llm, adapters):
             assert "adapter: 'zzz' is not loaded" in unknown.value.details()
     finally:
         running.close()
+
+
+def test_an_adapter_in_use_cannot_be_unloaded(lora_llm):
+    engine = lora_llm.engine
+    request = dataclasses.replace(lora_llm.request("Hello", SamplingParams(max_tokens=4)), adapter="a")
+    seq = engine.add_request(request)
+    (info,) = [a for a in lora_llm.list_adapters() if a.name == "a"]
+    assert info.users == 1
+    with pytest.raises(RequestError, match=r"in use by 1 request"):
+        lora_llm.unload_adapter("a")
+    engine.abort(seq.index)
+    assert info.users == 0 and not engine.has_unfinished()
+
+
+def test_trainable_tokens_match_peft(hf_model, tmp_path, smollm2_llm):
+    """PEFT's trainable tokens for ids added past the vocabulary (the processor's control tokens):
+    the adapter's rows are their input embeddings and, with tied embeddings, their output scores."""
+    from peft import LoraConfig, get_peft_model
+
+    base_vocab, added = 49152, 6
+    hf = copy.deepcopy(hf_model)
+    hf.resize_token_embeddings(base_vocab + added, mean_resizing=False)
+    with torch.no_grad():
+        hf.get_input_embeddings().weight[base_vocab:] = 0.0  # the engine's new ids start as zero rows
+    new_ids = list(range(base_vocab, base_vocab + added))
+    torch.manual_seed(5)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"], init_lora_weights=False,
+                        trainable_token_indices={"embed_tokens": new_ids}, ensure_weight_tying=True)
+    peft_model = get_peft_model(hf, config)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.05)
+            if "trainable_tokens_delta" in name:
+                param.copy_(torch.randn_like(param) * 0.05)
+    peft_model.save_pretrained(tmp_path / "tokens")
+    loaded = load_model("smollm2-135m", smollm2_llm.mesh)
+    loaded.model.extend_vocabulary(base_vocab + added)
+    slots = AdapterSlots(loaded.model, smollm2_llm.mesh, 1, 8, LORA_TARGETS)
+    slots.load("tokens", str(tmp_path / "tokens"))
+    prompt = smollm2_llm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[2]}])
+    ids = [*prompt, base_vocab, 42, 43, base_vocab + 1]
+    ours = PagedForward(loaded.model, page_size=16, num_pages=64, max_pages=16, adapter_slot=1).run(ids, 0)
+    base = PagedForward(loaded.model, page_size=16, num_pages=64, max_pages=16, adapter_slot=0).run(ids, 0)
+    with torch.no_grad():
+        reference = peft_model(torch.tensor([ids])).logits[0].numpy()
+    assert np.abs(ours[:, base_vocab:]).max() > 0.1 and not np.any(base[:, base_vocab:])  # rows come from the adapter
+    np.testing.assert_allclose(ours, reference, atol=2e-3, rtol=0)

@@ -438,6 +438,53 @@ def bench_exec(args: argparse.Namespace) -> None:
               running_ratio=round(results["program_running"]["tok_s"] / results["no_slots"]["tok_s"], 3)))
 
 
+def _random_adapter(folder: Path, rank: int, seed: int) -> None:
+    """A rank-`rank` PEFT-layout adapter on all seven projections of SmolLM2-135M (random, small)."""
+    from jaxinfer.layers.lora import LORA_TARGETS
+    from jaxinfer.weights.adapter_file import lora_name, save_adapter
+
+    sizes = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
+             "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
+    rng, tensors = np.random.default_rng(seed), {}
+    for layer in range(30):
+        for name in LORA_TARGETS:
+            fan_in, fan_out = sizes[name]
+            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            module = f"model.layers.{layer}.{block}.{name}"
+            tensors[lora_name(module, "A")] = rng.normal(0, 0.02, (rank, fan_in)).astype(np.float32)
+            tensors[lora_name(module, "B")] = rng.normal(0, 0.02, (fan_out, rank)).astype(np.float32)
+    save_adapter(folder, {"r": rank, "lora_alpha": rank}, tensors, layout="peft")
+
+
+def bench_lora(args: argparse.Namespace) -> None:
+    """Resident LoRA adapters' cost to decoding: tok/s without adapter slots, with `--adapters` slots
+    and every request on the base model, and with the requests spread over all the adapters."""
+    import tempfile
+
+    from jaxinfer import LLM
+
+    plain = load_llm(args)
+    lora = LLM(args.model, args.config, max_adapters=args.adapters, max_lora_rank=args.rank)
+    emit(dict(what="jaxinfer_lora_env", adapters=args.adapters, rank=args.rank,
+              warmup_s=round(lora.warmup_seconds, 1), plain_warmup_s=round(plain.warmup_seconds, 1)))
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.adapters):
+            _random_adapter(Path(tmp) / str(i), args.rank, seed=i)
+            lora.load_adapter(f"a{i}", str(Path(tmp) / str(i)))
+    prompts = random_prompts(plain, [args.in_len] * args.batch_size, seed=0)
+    base = [plain.request(p, exact(args.out_len)) for p in prompts]
+    mixed = [dataclasses.replace(r, adapter=f"a{i % args.adapters}") for i, r in enumerate(base)]
+    for llm in (plain, lora):  # touch every bucket the workload uses
+        _decode_with(llm, base[:2])
+    results = {"no_slots": _decode_with(plain, base), "slots_base": _decode_with(lora, base),
+               "mixed_adapters": _decode_with(lora, mixed)}
+    emit(dict(what="jaxinfer_lora_overhead", batch=args.batch_size, in_len=args.in_len, out_len=args.out_len,
+              **{f"{name}_{key}": value for name, result in results.items() for key, value in result.items()
+                 if key in ("tok_s", "step_ms")},
+              slots_ratio=round(results["slots_base"]["tok_s"] / results["no_slots"]["tok_s"], 3),
+              mixed_ratio=round(results["mixed_adapters"]["tok_s"] / results["no_slots"]["tok_s"], 3)))
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -467,6 +514,12 @@ def main() -> None:
     exec_.add_argument("--in-len", type=int, default=32)
     exec_.add_argument("--out-len", type=int, default=64)
     exec_.add_argument("--steps-per-step", type=int, default=256)
+    lora = sub.add_parser("lora", description=bench_lora.__doc__.splitlines()[0])
+    lora.add_argument("--batch-size", type=int, default=8)
+    lora.add_argument("--in-len", type=int, default=32)
+    lora.add_argument("--out-len", type=int, default=64)
+    lora.add_argument("--adapters", type=int, default=4, choices=range(1, 65), metavar="1..64")
+    lora.add_argument("--rank", type=int, default=16)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
@@ -496,6 +549,8 @@ def main() -> None:
         processor_bench.bench(args)
     elif args.workload == "exec":
         bench_exec(args)
+    elif args.workload == "lora":
+        bench_lora(args)
     else:
         workloads[args.workload](args)
 

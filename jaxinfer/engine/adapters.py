@@ -59,8 +59,9 @@ class AdapterSlots:
         return info
 
     # -- load / unload ------------------------------------------------------------------------
-    def load(self, name: str, source: str | os.PathLike = "") -> AdapterInfo:
-        """Loads `source` (a registry name or folder; default: `name` itself) as `name` into a free slot."""
+    def load(self, name: str, source: str | os.PathLike = "", read: ReadAdapter | None = None) -> AdapterInfo:
+        """Loads `source` (a registry name or folder; default: `name` itself) as `name` into a free slot;
+        `read` is the adapter already read by `read_adapter_source` (off the engine thread)."""
         if not name or len(name) > 128:
             raise RequestError("adapter name: 1 to 128 characters")
         if name in self.by_name:
@@ -69,8 +70,7 @@ class AdapterSlots:
         if not free:
             raise RequestError(f"adapters: engine.max_adapters ({self.max_adapters}) adapters are loaded; "
                                f"unload one first")
-        path = resolve_adapter(str(source or name))
-        weights = read_adapter(path)
+        path, weights = read if read is not None else read_adapter_source(str(source or name))
         self._check(path, weights)
         self._write(free[0], weights)
         info = self.by_name[name] = AdapterInfo(name, str(path), free[0], weights.rank, weights.digest)
@@ -107,9 +107,10 @@ class AdapterSlots:
             count = 0 if rows is None else rows[...].shape[1]
             outside = [i for i in weights.token_ids if not start <= i < start + count]
             if outside:
+                added = f"ids {start}..{start + count - 1}" if count else "none"
                 raise CheckpointError(f"{path}: trainable_token_indices {outside} are not tokens added to this "
-                                      f"model (ids {start}..{start + count - 1}; the processor's control tokens "
-                                      f"exist only with engine.exec_slots > 0, and only with tied embeddings)")
+                                      f"model (added: {added}; the processor's control tokens are added with "
+                                      f"engine.exec_slots > 0, and adapters may train them with tied embeddings)")
             if weights.token_rows.shape[1] != embed.weight[...].shape[1]:
                 raise CheckpointError(f"{path}: trainable token rows have width {weights.token_rows.shape[1]}, "
                                       f"the embedding {embed.weight[...].shape[1]}")
@@ -131,6 +132,15 @@ class AdapterSlots:
                                   strict=True):
                 rows[token - embed.added_start] = row
             _set_slot(embed.added_rows, slot, rows)
+
+
+ReadAdapter = tuple[Path, AdapterWeights]
+
+
+def read_adapter_source(source: str) -> ReadAdapter:
+    """Resolves and reads an adapter (file I/O and hashing: callers may run it off the engine thread)."""
+    path = resolve_adapter(source)
+    return path, read_adapter(path)
 
 
 def _set_slot(variable: nnx.Variable, slot: int, value: np.ndarray) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxinfer.engine.adapters import AdapterInfo
+from jaxinfer.engine.adapters import AdapterInfo, ReadAdapter
 from jaxinfer.engine.disagg import PagePublisher
 from jaxinfer.engine.executor import Executor, file_mapping
 from jaxinfer.engine.metrics import EngineStats, snapshot
@@ -130,11 +130,14 @@ class Engine:
             raise RequestError("adapter: this engine serves no LoRA adapters (engine.max_adapters is 0)")
         if self.speculator is not None:
             raise RequestError("adapter: not available with speculative decoding (engine.draft_model)")
+        if not request.adapter and name not in {a.name for a in self.runner.adapters.list()}:
+            raise RequestError(f"exec: engine.exec_adapter {name!r}, the adapter of requests with exec on, "
+                               f"is not loaded")
         return self.runner.adapters.slot_of(name)
 
     # -- LoRA adapters (on the runner: shared by every engine on it) ------------------------------
-    def load_adapter(self, name: str, source: str = "") -> AdapterInfo:
-        return self.runner.load_adapter(name, source)
+    def load_adapter(self, name: str, source: str = "", read: ReadAdapter | None = None) -> AdapterInfo:
+        return self.runner.load_adapter(name, source, read)
 
     def unload_adapter(self, name: str) -> None:
         self.runner.unload_adapter(name)

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
-from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots
+from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
@@ -185,11 +185,11 @@ class ModelRunner:
         return tuple(KVCache(zeros(), zeros()) for _ in range(m.num_layers))
 
     # -- LoRA adapters -------------------------------------------------------------------------
-    def load_adapter(self, name: str, source: str = "") -> AdapterInfo:
+    def load_adapter(self, name: str, source: str = "", read: ReadAdapter | None = None) -> AdapterInfo:
         """Loads an adapter into a free slot (engine.max_adapters > 0); the step is not recompiled."""
         if self.adapters is None:
             raise RequestError("adapters: this engine serves no LoRA adapters (engine.max_adapters is 0)")
-        info = self.adapters.load(name, source)
+        info = self.adapters.load(name, source, read)
         self._refresh_state()
         return info
 

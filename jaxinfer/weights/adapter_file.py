@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
-from safetensors.numpy import load_file, save_file
+from safetensors.flax import load_file
+from safetensors.numpy import save_file
 
 from jaxinfer.errors import CheckpointError
 
@@ -89,20 +90,20 @@ def _read_config(path: Path) -> dict[str, Any]:
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     if (path / SAFETENSORS_FILE).exists():
         try:
-            return load_file(path / SAFETENSORS_FILE)
-        except Exception as exc:  # safetensors raises its own error types for damaged files
+            return {name: np.asarray(value) for name, value in load_file(path / SAFETENSORS_FILE).items()}
+        except Exception as exc:  # safetensors raises its own error types for damaged files (bf16 is read too)
             raise CheckpointError(f"{path / SAFETENSORS_FILE}: unreadable ({exc})") from None
     if (path / ORBAX_STATE).is_dir():
         try:
             restored = ocp.StandardCheckpointer().restore((path / ORBAX_STATE).absolute())
-        except (ValueError, KeyError, FileNotFoundError) as exc:
+        except Exception as exc:  # orbax and tensorstore raise many types for a damaged or foreign folder
             raise CheckpointError(f"{path / ORBAX_STATE}: cannot restore ({exc})") from None
         return {name: np.asarray(value) for name, value in restored.items()}
     raise CheckpointError(f"{path}: no {SAFETENSORS_FILE} and no orbax {ORBAX_STATE}/ folder")
 
 
 def _rank_and_scale(path: Path, config: dict[str, Any]) -> tuple[int, float]:
-    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)  # PEFT's default alpha
     if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, int | float):
         raise CheckpointError(f"{path / CONFIG_FILE}: r must be a positive integer and lora_alpha a number")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
