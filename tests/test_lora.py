@@ -165,7 +165,7 @@ def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
             lora_llm.load_adapter("dora", str(tmp_path / "dora"))
         assert [a.name for a in lora_llm.list_adapters()] == ["a"]  # nothing half-loaded
         for linear in lora_llm.runner.adapters.linears.values():
-            assert not np.any(np.asarray(linear.lora_a[...][2])) and not np.any(np.asarray(linear.lora_b[...][2]))
+            assert not np.any(np.asarray(linear.lora_a[...][:, 2])) and not np.any(np.asarray(linear.lora_b[...][2]))
     finally:
         lora_llm.load_adapter("b", str(adapters / "b"))
 

@@ -68,7 +68,9 @@ def grade_exec(text: str, task: Task) -> str:
 def run(llm: LLM, tasks: list[Task], adapter: str, exec_on: bool, max_tokens: int) -> tuple[list[str], list[str]]:
     """(outcome, output text) per task."""
     chats = [[{"role": "user", "content": task.question}] for task in tasks]
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, exec=exec_on)
+    # Every right program needs under 100k instructions: a runaway one traps at 1M instead of holding its slot.
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, exec=exec_on,
+                            exec_max_instructions=1_000_000 if exec_on else None)
     texts = [out.text for out in llm.generate_chat(chats, params, adapter=adapter if exec_on else "")]
     if exec_on:
         return [grade_exec(text, task) for text, task in zip(texts, tasks, strict=True)], texts
@@ -113,9 +115,9 @@ def main() -> None:
               "samples": samples}
     print(f"{'kind':<11} {'base':>6} {'adapter':>8} {'wrong':>6} {'no prog':>8} {'refused':>8} {'trapped':>8}")
     for kind, entry in report["kinds"].items():
-        print(f"{kind:<11} {entry['base_accuracy']:>6.0%} {entry['adapter_correct']:>8.0%} "
-              f"{entry['adapter_wrong']:>6.0%} {entry['adapter_no_program']:>8.0%} {entry['adapter_refused']:>8.0%} "
-              f"{entry['adapter_trapped']:>8.0%}")
+        print(f"{kind:<11} {entry['base_accuracy']:>6.1%} {entry['adapter_correct']:>8.1%} "
+              f"{entry['adapter_wrong']:>6.1%} {entry['adapter_no_program']:>8.1%} {entry['adapter_refused']:>8.1%} "
+              f"{entry['adapter_trapped']:>8.1%}")
     if args.json is not None:
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -108,8 +108,9 @@ def build_model(checkpoint: str, rank: int, seed: int):
     model.add_lora_slots(2, rank, LORA_TARGETS, init)
     for linear in model.adaptable_linears(LORA_TARGETS).values():  # A random, B zero: the adapter starts as a no-op
         key, sub = jax.random.split(key)
-        a = linear.lora_a[...]
-        linear.lora_a.set_value(a.at[ADAPTER_SLOT].set(jax.random.normal(sub, a.shape[1:]) / math.sqrt(a.shape[1])))
+        a = linear.lora_a[...]  # [in, slots, rank]
+        fan_in, _, rank = a.shape
+        linear.lora_a.set_value(a.at[:, ADAPTER_SLOT].set(jax.random.normal(sub, (fan_in, rank)) / math.sqrt(fan_in)))
     embed = model.model.embed_tokens
     rows = embed.added_rows[...]
     scale = float(jnp.std(embed.weight[...][: embed.added_start]))
@@ -156,7 +157,7 @@ def adapter_tensors(model, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
     """Slot 1 under PEFT's names (float16) and its adapter_config.json fields."""
     tensors = {}
     for module, linear in model.adaptable_linears(LORA_TARGETS).items():
-        tensors[lora_name(module, "A")] = np.asarray(linear.lora_a[...][ADAPTER_SLOT]).T.astype(np.float16)
+        tensors[lora_name(module, "A")] = np.asarray(linear.lora_a[...][:, ADAPTER_SLOT]).T.astype(np.float16)
         tensors[lora_name(module, "B")] = np.asarray(linear.lora_b[...][ADAPTER_SLOT]).T.astype(np.float16)
     embed = model.model.embed_tokens
     rows = np.asarray(embed.added_rows[...][ADAPTER_SLOT])

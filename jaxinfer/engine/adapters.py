@@ -118,12 +118,13 @@ class AdapterSlots:
     def _write(self, slot: int, weights: AdapterWeights | None) -> None:
         """Puts `weights` (None: zeros) into `slot` of every stack."""
         for module, linear in self.linears.items():
-            a = np.zeros(linear.lora_a[...].shape[1:], np.float32)
+            fan_in, _, rank = linear.lora_a[...].shape
+            a = np.zeros((fan_in, rank), np.float32)
             b = np.zeros(linear.lora_b[...].shape[1:], np.float32)
             if weights is not None and module in weights.modules:
                 wa, wb = weights.modules[module]
                 a[:, : wa.shape[1]], b[: wb.shape[0]] = wa, wb
-            _set_slot(linear.lora_a, slot, a)
+            _set_slot(linear.lora_a, slot, a, axis=1)
             _set_slot(linear.lora_b, slot, b)
         embed = self.model.model.embed_tokens
         if embed.added_rows is not None:
@@ -143,9 +144,10 @@ def read_adapter_source(source: str) -> ReadAdapter:
     return path, read_adapter(path)
 
 
-def _set_slot(variable: nnx.Variable, slot: int, value: np.ndarray) -> None:
+def _set_slot(variable: nnx.Variable, slot: int, value: np.ndarray, axis: int = 0) -> None:
     array = variable[...]
-    variable.set_value(jax.device_put(array.at[slot].set(value.astype(array.dtype)), array.sharding))
+    index = (slice(None),) * axis + (slot,)
+    variable.set_value(jax.device_put(array.at[index].set(value.astype(array.dtype)), array.sharding))
 
 
 def parse_adapter_spec(spec: str) -> tuple[str, str]:

@@ -37,8 +37,8 @@ class Linear(nnx.Module):
         self.lora_b: LoraParam | None = nnx.data(None)
 
     def add_lora_slots(self, a: jax.Array, b: jax.Array) -> None:
-        """Zeroed (or given) adapter stacks a [slots, in, rank], b [slots, rank, out]."""
-        self.lora_a = LoraParam(a, logical_axes=("lora_slots", self.axes[0], "lora_rank"))
+        """Zeroed (or given) adapter stacks a [in, slots, rank], b [slots, rank, out]."""
+        self.lora_a = LoraParam(a, logical_axes=(self.axes[0], "lora_slots", "lora_rank"))
         self.lora_b = LoraParam(b, logical_axes=("lora_slots", "lora_rank", self.axes[1]))
 
     def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:

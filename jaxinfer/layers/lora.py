@@ -1,14 +1,16 @@
 """Multi-adapter LoRA on the model's projections, with per-adapter rows for added tokens.
 
-Every adapted `Linear` holds its adapters stacked over *slots*: ``lora_a [slots, in, rank]`` and
+Every adapted `Linear` holds its adapters stacked over *slots*: ``lora_a [in, slots, rank]`` and
 ``lora_b [slots, rank, out]`` (the scale ``alpha / rank`` is folded into ``lora_b`` at load). Slot 0
 is "no adapter" and stays zero. A batch names one slot per token, so requests with different
 adapters (or none) share one step; the shapes never depend on which adapters are loaded, so
 loading and unloading replaces array contents and never recompiles.
 
-The delta is computed for every slot at once and masked with the tokens' one-hot slot: x @ A for
-all slots is ``T x slots x in x rank`` multiply-adds, small next to the base projection for the
-few resident adapters an engine keeps (the cost grows linearly with `max_adapters`).
+The delta is computed for every slot at once and masked with the tokens' one-hot slot, as two
+plain matmuls: ``x @ A`` with A seen as ``[in, slots * rank]`` (the layout makes that reshape
+free), the mask, then ``@ B`` seen as ``[slots * rank, out]``. That is ``T x slots x rank x (in +
+out)`` multiply-adds, small next to the base projection for the few resident adapters an engine
+keeps (the cost grows linearly with `max_adapters`).
 
 Added tokens (the processor's control tokens, ids ``>= added_start``) may be trained by an adapter
 (PEFT's ``trainable_token_indices``): their embedding rows are kept per slot, and with tied
@@ -34,10 +36,11 @@ def slot_one_hot(slots: jax.Array, num_slots: int, dtype: jnp.dtype) -> jax.Arra
 
 
 def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, one_hot: jax.Array) -> jax.Array:
-    """x [T, in], a [S, in, r], b [S, r, out], one_hot [T, S] -> the adapters' delta [T, out] in float32."""
-    down = jnp.einsum("ti,sir->tsr", x, a, preferred_element_type=jnp.float32)
-    down = down * one_hot.astype(jnp.float32)[:, :, None]
-    return jnp.einsum("tsr,sro->to", down, b.astype(jnp.float32), preferred_element_type=jnp.float32)
+    """x [T, in], a [in, S, r], b [S, r, out], one_hot [T, S] -> the adapters' delta [T, out] in float32."""
+    fan_in, slots, rank = a.shape
+    down = jnp.dot(x, a.reshape(fan_in, slots * rank), preferred_element_type=jnp.float32)
+    down = (down.reshape(-1, slots, rank) * one_hot.astype(jnp.float32)[:, :, None]).reshape(-1, slots * rank)
+    return jnp.dot(down.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
 
 
 def added_rows_lookup(table: jax.Array, rows: jax.Array, start: int, ids: jax.Array, slots: jax.Array) -> jax.Array:

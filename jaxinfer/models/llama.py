@@ -167,7 +167,7 @@ class LlamaForCausalLM(nnx.Module):
         and ids added past the checkpoint's vocabulary, per-slot rows for those ids (filled with the base's)."""
         for linear in self.adaptable_linears(targets).values():
             fan_in, fan_out = linear.kernel[...].shape
-            linear.add_lora_slots(zeros((slots, fan_in, rank), ("lora_slots", linear.axes[0], "lora_rank")),
+            linear.add_lora_slots(zeros((fan_in, slots, rank), (linear.axes[0], "lora_slots", "lora_rank")),
                                   zeros((slots, rank, fan_out), ("lora_slots", "lora_rank", linear.axes[1])))
         embed, start = self.model.embed_tokens, self.base_vocab_size
         if self.lm_head is None and start < self.config.vocab_size:
