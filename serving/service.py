@@ -135,7 +135,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             self._count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:  # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
-            if self.router is not None and not self._adapter_name(engine_req):  # prefill peers: base model only
+            if self.router is not None and not self.llm.engine.adapter_name(engine_req):  # peers: base model only
                 engine_req, done = await self._prefill_on_peer(engine_req, context)
                 if done is not None:
                     self._count("ok", done.final)
@@ -303,10 +303,6 @@ class InferenceService(pb_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except (RequestError, CheckpointError, ConfigError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-    def _adapter_name(self, request: Request) -> str:
-        """The adapter a request runs with: its own, or engine.exec_adapter for exec requests."""
-        return request.adapter or (self.llm.config.exec_adapter if request.params.exec else "")
 
 
 def adapter_info(info: AdapterInfo) -> pb.AdapterInfo:

@@ -51,7 +51,7 @@ def test_exec_requests_route_to_the_compute_adapter(adapted: LLM) -> None:
                                                       SamplingParams(max_tokens=2, exec=True)))
     chat = engine.add_request(adapted.request("Hello", SamplingParams(max_tokens=2)))
     (slot,) = [a.slot for a in adapted.list_adapters() if a.name == ADAPTER]
-    assert compute.adapter_slot == slot and chat.adapter_slot == 0
+    assert compute.adapter_slot == slot and chat.adapter is None
     users = next(a.users for a in adapted.list_adapters() if a.name == ADAPTER)
     while engine.has_unfinished():
         engine.step()

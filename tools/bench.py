@@ -438,21 +438,15 @@ def bench_exec(args: argparse.Namespace) -> None:
               running_ratio=round(results["program_running"]["tok_s"] / results["no_slots"]["tok_s"], 3)))
 
 
-def _random_adapter(folder: Path, rank: int, seed: int) -> None:
-    """A rank-`rank` PEFT-layout adapter on all seven projections of SmolLM2-135M (random, small)."""
-    from jaxinfer.layers.lora import LORA_TARGETS
+def _random_adapter(folder: Path, llm, rank: int, seed: int) -> None:
+    """A rank-`rank` PEFT-layout adapter (random, small) on every projection `llm` adapts."""
     from jaxinfer.weights.adapter_file import lora_name, save_adapter
 
-    sizes = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
-             "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
     rng, tensors = np.random.default_rng(seed), {}
-    for layer in range(30):
-        for name in LORA_TARGETS:
-            fan_in, fan_out = sizes[name]
-            block = "mlp" if name in ("gate_proj", "up_proj", "down_proj") else "self_attn"
-            module = f"model.layers.{layer}.{block}.{name}"
-            tensors[lora_name(module, "A")] = rng.normal(0, 0.02, (rank, fan_in)).astype(np.float32)
-            tensors[lora_name(module, "B")] = rng.normal(0, 0.02, (fan_out, rank)).astype(np.float32)
+    for module, linear in llm.runner.adapters.linears.items():
+        fan_in, fan_out = linear.kernel[...].shape
+        tensors[lora_name(module, "A")] = rng.normal(0, 0.02, (rank, fan_in)).astype(np.float32)
+        tensors[lora_name(module, "B")] = rng.normal(0, 0.02, (fan_out, rank)).astype(np.float32)
     save_adapter(folder, {"r": rank, "lora_alpha": rank}, tensors, layout="peft")
 
 
@@ -469,7 +463,7 @@ def bench_lora(args: argparse.Namespace) -> None:
               warmup_s=round(lora.warmup_seconds, 1), plain_warmup_s=round(plain.warmup_seconds, 1)))
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.adapters):
-            _random_adapter(Path(tmp) / str(i), args.rank, seed=i)
+            _random_adapter(Path(tmp) / str(i), lora, args.rank, seed=i)
             lora.load_adapter(f"a{i}", str(Path(tmp) / str(i)))
     prompts = random_prompts(plain, [args.in_len] * args.batch_size, seed=0)
     base = [plain.request(p, exact(args.out_len)) for p in prompts]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import re
 import sys
 import time
@@ -36,8 +37,6 @@ COMPILE_ERRORS = ("invalid", "malformed", "unsupported", "type mismatch", "unkno
 
 def held_out(per_kind: int, seed: int, training: tuple[int, int]) -> list[Task]:
     """`per_kind` fresh questions of each kind, none of them in the training set (examples, seed)."""
-    import random
-
     seen = {task.question for task in make_tasks(*training)}
     rng, tasks = random.Random(seed), []
     for kind in KINDS:

@@ -149,7 +149,7 @@ def make_step(graphdef, optimizer):
         updates, opt_state = optimizer.update(grads, opt_state, lora)
         return optax.apply_updates(lora, updates), opt_state, loss
 
-    return step, jax.jit(loss_fn)
+    return step
 
 
 # -- 3. output -------------------------------------------------------------------------------------
@@ -211,7 +211,7 @@ def main() -> None:
     optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
     graphdef, lora, rest = nnx.split(model, LoraParam, ...)
     opt_state = optimizer.init(lora)
-    step_fn, _ = make_step(graphdef, optimizer)
+    step_fn = make_step(graphdef, optimizer)
     losses: list[float] = []
     pending: list[tuple[np.ndarray, np.ndarray]] = []
     train_started = time.perf_counter()

@@ -51,11 +51,12 @@ class AdapterSlots:
         self.by_name: dict[str, AdapterInfo] = {}
 
     # -- requests ---------------------------------------------------------------------------
-    def slot_of(self, name: str) -> AdapterInfo:
+    def slot_of(self, name: str, field: str = "adapter") -> AdapterInfo:
+        """The loaded adapter `name`; RequestError naming `field` (where the name came from) if none is."""
         info = self.by_name.get(name)
         if info is None:
             loaded = ", ".join(sorted(self.by_name)) or "(none)"
-            raise RequestError(f"adapter: {name!r} is not loaded; loaded adapters: {loaded}")
+            raise RequestError(f"{field}: {name!r} is not loaded; loaded adapters: {loaded}")
         return info
 
     # -- load / unload ------------------------------------------------------------------------
@@ -116,12 +117,15 @@ class AdapterSlots:
                                       f"the embedding {embed.weight[...].shape[1]}")
 
     def _write(self, slot: int, weights: AdapterWeights | None) -> None:
-        """Puts `weights` (None: zeros) into `slot` of every stack."""
+        """Puts `weights` into `slot` of the stacks it targets (a free slot is all zeros), or with None
+        zeroes the slot everywhere."""
         for module, linear in self.linears.items():
+            if weights is not None and module not in weights.modules:
+                continue
             fan_in, _, rank = linear.lora_a[...].shape
             a = np.zeros((fan_in, rank), np.float32)
             b = np.zeros(linear.lora_b[...].shape[1:], np.float32)
-            if weights is not None and module in weights.modules:
+            if weights is not None:
                 wa, wb = weights.modules[module]
                 a[:, : wa.shape[1]], b[: wb.shape[0]] = wa, wb
             _set_slot(linear.lora_a, slot, a, axis=1)

@@ -8,10 +8,14 @@ are not known to the host until the step that sampled them is read back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxinfer.engine.params import Request, SamplingParams
 from jaxinfer.kv.store import PendingRead
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.adapters import AdapterInfo
 
 
 @dataclass(eq=False)  # identity: `in running` and `remove` must not compare whole token lists
@@ -37,14 +41,18 @@ class Sequence:
     exec_source: str | None = None  # a program this sequence wrote, waiting for or running in a slot
     exec_slot: int | None = None  # the processor slot running it
     exec_discard: int = 0  # in-flight samples to drop: they were drawn before the program's result
-    adapter_slot: int = 0  # the LoRA adapter's slot in the step (0: none)
-    adapter_digest: str = ""  # its content hash: part of the prefix-cache namespace
+    adapter: AdapterInfo | None = None  # the LoRA adapter it runs with (counted in its `users` until released)
+
+    @property
+    def adapter_slot(self) -> int:
+        """The adapter's slot in the step (0: none)."""
+        return self.adapter.slot if self.adapter is not None else 0
 
     @property
     def cache_salt(self) -> str:
-        """Prefix-cache namespace: the tenant's salt, and the adapter (its KV differs from the base's)."""
+        """Prefix-cache namespace: the tenant's salt, and the adapter's content hash (its KV is not the base's)."""
         salt = self.request.cache_salt
-        return f"{salt}\x00lora:{self.adapter_digest}" if self.adapter_digest else salt
+        return f"{salt}\x00lora:{self.adapter.digest}" if self.adapter is not None else salt
 
     @property
     def paused(self) -> bool:

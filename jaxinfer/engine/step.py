@@ -187,17 +187,18 @@ class ModelRunner:
     # -- LoRA adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str = "", read: ReadAdapter | None = None) -> AdapterInfo:
         """Loads an adapter into a free slot (engine.max_adapters > 0); the step is not recompiled."""
-        if self.adapters is None:
-            raise RequestError("adapters: this engine serves no LoRA adapters (engine.max_adapters is 0)")
-        info = self.adapters.load(name, source, read)
+        info = self._adapter_slots().load(name, source, read)
         self._refresh_state()
         return info
 
     def unload_adapter(self, name: str) -> None:
+        self._adapter_slots().unload(name)
+        self._refresh_state()
+
+    def _adapter_slots(self) -> AdapterSlots:
         if self.adapters is None:
             raise RequestError("adapters: this engine serves no LoRA adapters (engine.max_adapters is 0)")
-        self.adapters.unload(name)
-        self._refresh_state()
+        return self.adapters
 
     def _refresh_state(self) -> None:
         """The state the step reads: same tree and shapes, new adapter slot contents."""

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxinfer.layers.lora import LoraParam, added_rows_logits, added_rows_lookup, lora_delta
+from jaxinfer.layers.lora import LoraParam, ZerosFn, added_rows_logits, added_rows_lookup, lora_delta
 
 
 def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
@@ -36,10 +36,13 @@ class Linear(nnx.Module):
         self.lora_a: LoraParam | None = nnx.data(None)
         self.lora_b: LoraParam | None = nnx.data(None)
 
-    def add_lora_slots(self, a: jax.Array, b: jax.Array) -> None:
-        """Zeroed (or given) adapter stacks a [in, slots, rank], b [slots, rank, out]."""
-        self.lora_a = LoraParam(a, logical_axes=(self.axes[0], "lora_slots", "lora_rank"))
-        self.lora_b = LoraParam(b, logical_axes=("lora_slots", "lora_rank", self.axes[1]))
+    def add_lora_slots(self, slots: int, rank: int, zeros: ZerosFn) -> None:
+        """Zeroed adapter stacks a [in, slots, rank], b [slots, rank, out]; `zeros(shape, logical_axes)`
+        places them."""
+        fan_in, fan_out = self.kernel[...].shape
+        a_axes, b_axes = (self.axes[0], "lora_slots", "lora_rank"), ("lora_slots", "lora_rank", self.axes[1])
+        self.lora_a = LoraParam(zeros((fan_in, slots, rank), a_axes), logical_axes=a_axes)
+        self.lora_b = LoraParam(zeros((slots, rank, fan_out), b_axes), logical_axes=b_axes)
 
     def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:
         y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
@@ -61,9 +64,11 @@ class Embed(nnx.Module):
         self.added_rows: LoraParam | None = nnx.data(None)
         self.added_start = vocab
 
-    def add_token_slots(self, rows: jax.Array, start: int) -> None:
-        """Per-slot rows [slots, n, embed] for ids start .. start + n - 1."""
-        self.added_rows = LoraParam(rows, logical_axes=("lora_slots", None, "embed"))
+    def add_token_slots(self, slots: int, start: int, zeros: ZerosFn) -> None:
+        """Per-slot rows [slots, n, embed] for ids start .. vocab - 1, each a copy of the table's rows."""
+        base = self.weight[...][start:]
+        axes = ("lora_slots", None, "embed")
+        self.added_rows = LoraParam(zeros((slots, *base.shape), axes) + base[None], logical_axes=axes)
         self.added_start = start
 
     def __call__(self, ids: jax.Array, slots: jax.Array | None = None) -> jax.Array:

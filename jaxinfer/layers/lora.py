@@ -19,11 +19,16 @@ embeddings the same rows score those ids in the output.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+ZerosFn = Callable[[tuple[int, ...], tuple[str | None, ...]], jax.Array]  # (shape, logical axes) -> placed zeros
 
 
 class LoraParam(nnx.Variable):

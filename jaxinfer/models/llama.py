@@ -8,7 +8,6 @@ tokens, their attention metadata and the per-layer paged KV caches to hidden sta
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -18,7 +17,7 @@ from flax import nnx
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
 from jaxinfer.layers.basic import Embed, Linear, RMSNorm
-from jaxinfer.layers.lora import slot_one_hot
+from jaxinfer.layers.lora import ZerosFn, slot_one_hot
 from jaxinfer.layers.rope import apply_rope, inverse_frequencies
 
 
@@ -161,19 +160,13 @@ class LlamaForCausalLM(nnx.Module):
                         found[f"model.layers.{i}.{block_name}.{name}"] = getattr(block, name)
         return found
 
-    def add_lora_slots(self, slots: int, rank: int, targets: tuple[str, ...],
-                       zeros: Callable[[tuple[int, ...], tuple[str | None, ...]], jax.Array]) -> None:
+    def add_lora_slots(self, slots: int, rank: int, targets: tuple[str, ...], zeros: ZerosFn) -> None:
         """Gives the target projections `slots` zeroed adapter slots of `rank`, and, with tied embeddings
         and ids added past the checkpoint's vocabulary, per-slot rows for those ids (filled with the base's)."""
         for linear in self.adaptable_linears(targets).values():
-            fan_in, fan_out = linear.kernel[...].shape
-            linear.add_lora_slots(zeros((fan_in, slots, rank), (linear.axes[0], "lora_slots", "lora_rank")),
-                                  zeros((slots, rank, fan_out), ("lora_slots", "lora_rank", linear.axes[1])))
-        embed, start = self.model.embed_tokens, self.base_vocab_size
-        if self.lm_head is None and start < self.config.vocab_size:
-            base = embed.weight[...][start:]
-            rows = zeros((slots, *base.shape), ("lora_slots", None, "embed")) + base[None].astype(embed.weight.dtype)
-            embed.add_token_slots(rows, start)
+            linear.add_lora_slots(slots, rank, zeros)
+        if self.lm_head is None and self.base_vocab_size < self.config.vocab_size:
+            self.model.embed_tokens.add_token_slots(slots, self.base_vocab_size, zeros)
         self.lora_slots = slots
 
     def logits(self, hidden: jax.Array, adapters: jax.Array | None = None) -> jax.Array:
