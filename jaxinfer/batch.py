@@ -25,6 +25,8 @@ from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.errors import CheckpointError, JaxinferError, RequestError
+from jaxinfer.parallel.distributed import ProcessGroup, initialize
+from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 LINE_FIELDS = {"id", "prompt", "messages", "adapter"} | SAMPLING_FIELDS
@@ -72,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="processor slots in the step (default 4 when a line runs programs; 0: processor off)")
     p.add_argument("--adapter", default="",
                    help="LoRA adapter for every line (registry name or folder; per line: \"adapter\")")
+    p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0's coordination "
+                   "service, or auto (TPU pod slices); default $JAXINFER_COORDINATOR")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the group")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="multi-host: this process (0 is the leader: it reads --input and writes --output)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("-v", "--verbose", action="store_true")
     return p.parse_args(argv)
@@ -144,24 +151,61 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     defaults = default_params(args)
     SamplingParams(**defaults)  # a bad command-line value fails before the model loads
-    with _open_input(args.input) as stream:
-        jobs = read_jobs(stream, defaults)
+    group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
+    channel = connect(group)
+    if isinstance(channel, Follower):  # replays the leader's steps; reads and writes nothing
+        try:
+            llm = LLM(args.model, args.config, process_group=group, lockstep=channel, **_engine_overrides(args))
+        except LeaderStopped:
+            return {"process_id": group.process_id, "steps_replayed": 0}
+        return {"process_id": group.process_id, "steps_replayed": llm.serve_follower()}
+    try:  # whatever ends the leader's run (a bad input file included) stops the followers too
+        with _open_input(args.input) as stream:
+            jobs = read_jobs(stream, defaults)
+        llm = LLM(args.model, args.config, process_group=group, lockstep=channel,
+                  **_line_overrides(args, jobs, group))
+        return _run_jobs(args, llm, jobs)
+    finally:
+        if channel is not None:
+            channel.stop()
+
+
+def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     overrides = {"dtype": args.dtype, "max_seqs": args.max_seqs, "num_pages": args.num_pages,
                  "page_size": args.page_size, "kv_store": args.kv_store, "kv_host_pages": args.kv_host_pages,
                  "draft_model": args.draft_model, "num_draft_tokens": args.num_draft_tokens,
                  "draft_confidence": args.draft_confidence,
                  "exec_slots": args.exec_slots}
-    if args.exec_slots is None and any(job.params.exec for job in jobs if job.params is not None):
-        overrides["exec_slots"] = 4  # some line runs programs (--exec, or its own "exec")
+    return {k: v for k, v in overrides.items() if v is not None}
+
+
+def _line_overrides(args: argparse.Namespace, jobs: list[Job], group: ProcessGroup) -> dict[str, Any]:
+    """The engine settings, plus what the lines need: the processor, and a slot per adapter they name.
+
+    In a process group the followers never see the lines, so the lines change nothing there."""
+    overrides = _engine_overrides(args)
     for job in jobs:
         job.adapter = job.adapter or args.adapter
-    adapters = sorted({job.adapter for job in jobs if job.error is None} - {""})
+    if group.distributed:
+        return overrides
+    if args.exec_slots is None and any(job.params.exec for job in jobs if job.params is not None):
+        overrides["exec_slots"] = 4  # some line runs programs (--exec, or its own "exec")
+    adapters = _adapters_named(jobs)
     if adapters:  # every adapter the lines name is resident for the whole run, with those of the config
         config = load_engine_config(args.config)
         preloaded = {parse_adapter_spec(spec)[0] for spec in config.adapters}
         overrides["max_adapters"] = max(len(set(adapters) | preloaded), config.max_adapters)
-    llm = LLM(args.model, args.config, **{k: v for k, v in overrides.items() if v is not None})
-    _load_adapters(llm, jobs, adapters)
+    return overrides
+
+
+def _adapters_named(jobs: list[Job]) -> list[str]:
+    return sorted({job.adapter for job in jobs if job.error is None} - {""})
+
+
+def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
+    adapters = _adapters_named(jobs)
+    if adapters and llm.config.max_adapters:
+        _load_adapters(llm, jobs, adapters)
     start = time.perf_counter()
     engine, job_of = llm.engine, {}
     for job in jobs:
@@ -276,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     except JaxinferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if "steps_replayed" in summary:  # a follower of a process group
+        print(f"process {summary['process_id']}: replayed {summary['steps_replayed']} steps", file=sys.stderr)
+        return 0
     print(
         f"{summary['requests']} requests ({summary['errors']} errors), {summary['prompt_tokens']} prompt + "
         f"{summary['completion_tokens']} completion tokens in {summary['wall_s']:.1f}s "

@@ -20,11 +20,13 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.spec_step import SpecRunner
 from jaxinfer.engine.step import ModelRunner
-from jaxinfer.errors import RequestError
+from jaxinfer.errors import ConfigError, RequestError
 from jaxinfer.kv.store import ModelIdentity, PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.layers.attention import make_backend
 from jaxinfer.parallel import make_mesh
+from jaxinfer.parallel.distributed import ProcessGroup, initialize
+from jaxinfer.parallel.lockstep import Follower, Leader, connect
 from jaxinfer.processor.protocol import CONTROL_TOKENS
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
@@ -50,17 +52,60 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
+# Settings whose device work happens outside the step: not replayed by followers yet.
+SINGLE_PROCESS_ONLY = ("exec_slots", "max_adapters", "draft_model", "kv_host_pages", "kv_store")
+
+
+def check_multi_process(cfg: EngineConfig) -> None:
+    """Refuses settings that a process group cannot run in lockstep (only the step is replayed)."""
+    used = [name for name in SINGLE_PROCESS_ONLY if getattr(cfg, name)]
+    if used:
+        raise ConfigError(f"engine.{used[0]} is not supported with more than one process "
+                          f"(set {', '.join('engine.' + name for name in used)} off)")
+
+
+def make_group_mesh(cfg: EngineConfig, group: ProcessGroup):
+    mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
+    if group.distributed and mesh.devices.size != jax.device_count():
+        raise ConfigError(f"engine.mesh_data x engine.mesh_model = {mesh.devices.size} devices; with "
+                          f"{group.num_processes} processes the mesh must span all {jax.device_count()}")
+    return mesh
+
+
 class LLM:
-    """A loaded model with its tokenizer, KV page pool and compiled step."""
+    """A loaded model with its tokenizer, KV page pool and compiled step.
+
+    With a `process_group` of several processes, every process builds the same LLM; process 0
+    (the leader) runs requests, and the others call `serve_follower()` to replay its steps."""
 
     def __init__(self, model: str | Path = "smollm2-135m", config: EngineConfig | str | Path | None = None,
+                 process_group: ProcessGroup | None = None, lockstep: Leader | Follower | None = None,
                  **overrides: Any):
+        """`lockstep`: the group's control channel when the caller has joined it already (`connect`)."""
         cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
         self.config = cfg = cfg.replace(**overrides) if overrides else cfg
+        self.group = initialize(process_group or ProcessGroup())
+        if self.group.distributed:
+            check_multi_process(cfg)
+        # Joined before loading, so a process lost (or failing) while loading stops the whole group.
+        channel = lockstep if lockstep is not None else connect(self.group)
+        self.leader = channel if isinstance(channel, Leader) else None
+        self.follower = channel if isinstance(channel, Follower) else None
+        if self.leader is not None:
+            self.leader.begin_load()
+        if self.follower is not None:
+            self.follower.await_load()  # raises LeaderStopped when the leader gives up first
+        try:
+            self._load(model, cfg)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, model: str | Path, cfg: EngineConfig) -> None:
         enable_compilation_cache(cfg.compilation_cache_dir)
         start = time.perf_counter()
         self.dtype = resolve_dtype(cfg.dtype)
-        self.mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
+        self.mesh = make_group_mesh(cfg, self.group)
         checkpoint = resolve(model)
         gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
         backend = make_backend(
@@ -79,6 +124,7 @@ class LLM:
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)
         self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)
+        self.runner.lockstep = self.leader
         if cfg.draft_model:  # speculative decoding: the draft's KV pools share the target's page ids
             draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend)
             self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
@@ -87,6 +133,21 @@ class LLM:
             self.load_adapter(*parse_adapter_spec(spec))
         self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.process_id == 0
+
+    def serve_follower(self) -> int:
+        """A follower's main loop: replays the leader's steps until it stops; returns how many ran."""
+        if self.follower is None:
+            raise ConfigError("serve_follower: this process is not a follower (process id 0 or one process)")
+        return self.follower.serve(self.runner.replay)
+
+    def close(self) -> None:
+        """Stops the followers (leader of a process group); nothing otherwise."""
+        if self.leader is not None:
+            self.leader.stop()
 
     def _kv_tiers(self, checkpoint: ResolvedCheckpoint) -> TieredPages | None:
         """L2/L3 for evicted prefix pages, from `kv_host_pages` and `kv_store` (None when both are off)."""

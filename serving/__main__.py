@@ -11,6 +11,9 @@ import signal
 import sys
 
 from jaxinfer.errors import JaxinferError
+from jaxinfer.llm import LLM
+from jaxinfer.parallel.distributed import ProcessGroup, initialize
+from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
 from serving.server import InferenceServer, load_configs
 
 
@@ -21,6 +24,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0: any free port, -1: off)")
+    p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0's coordination "
+                   "service, or auto (TPU pod slices); default $JAXINFER_COORDINATOR")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the group")
+    p.add_argument("--process-id", type=int, default=None,
+                   help="multi-host: this process (0 serves gRPC; the others replay its steps)")
     return p.parse_args(argv)
 
 
@@ -29,7 +37,12 @@ async def serve(args: argparse.Namespace) -> None:
                                          metrics_port=args.metrics_port)
     logging.getLogger(__name__).info("settings %s", json.dumps(
         {"serve": dataclasses.asdict(config), "engine": dataclasses.asdict(engine_config)}))
-    server = InferenceServer(config, engine_config)
+    group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
+    channel = connect(group)
+    if isinstance(channel, Follower):
+        await asyncio.to_thread(follow, config.model, engine_config, group, channel)
+        return
+    server = InferenceServer(config, engine_config, process_group=group, lockstep=channel)
     port = await server.start()
     print(json.dumps({"event": "listening", "host": config.host, "port": port,
                       "metrics_port": server.metrics_port}), flush=True)
@@ -45,6 +58,16 @@ async def serve(args: argparse.Namespace) -> None:
         raise LoadFailed(f"loading {config.model} failed: {load.exception()}")
     load.cancel()
     await server.stop()
+
+
+def follow(model: str, engine_config, group: ProcessGroup, channel: Follower) -> None:
+    """A follower process: the same model on its chips, replaying the leader's steps until it stops."""
+    try:
+        llm = LLM(model, engine_config, process_group=group, lockstep=channel)
+    except LeaderStopped:
+        return
+    steps = llm.serve_follower()
+    logging.getLogger(__name__).info("process %d: the leader stopped after %d steps", group.process_id, steps)
 
 
 class LoadFailed(JaxinferError):

@@ -26,6 +26,8 @@ from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.engine import Engine
 from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
+from jaxinfer.parallel.distributed import ProcessGroup
+from jaxinfer.parallel.lockstep import Leader
 from serving.disagg import ROLES, PrefillRouter, PrefillService
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
@@ -104,8 +106,11 @@ def check_role(config: ServeConfig, engine: EngineConfig) -> None:
 class InferenceServer:
     """One model behind a gRPC port; `llm` may be given (already loaded) instead of loaded from the config."""
 
-    def __init__(self, config: ServeConfig, engine_config: EngineConfig | None = None, llm: LLM | None = None):
+    def __init__(self, config: ServeConfig, engine_config: EngineConfig | None = None, llm: LLM | None = None,
+                 process_group: ProcessGroup | None = None, lockstep: Leader | None = None):
+        """`process_group` and `lockstep`: this server is the leader of a multi-host group (see `LLM`)."""
         self.config, self.engine_config, self.llm = config, engine_config or EngineConfig(), llm
+        self.process_group, self.lockstep = process_group, lockstep
         check_role(config, llm.config if llm is not None else self.engine_config)
         self.health = HealthServicer()
         self.metrics = ServerMetrics(self._engine_snapshot)
@@ -154,7 +159,8 @@ class InferenceServer:
     async def load(self) -> None:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
         if self.llm is None:
-            self.llm = await asyncio.to_thread(LLM, self.config.model, self.engine_config)
+            self.llm = await asyncio.to_thread(LLM, self.config.model, self.engine_config,
+                                               process_group=self.process_group, lockstep=self.lockstep)
         # The worker's own engine: only its thread steps it. It shares the runner (device caches, page
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = Engine(self.llm.runner, self.llm.tokenizer, self.llm.max_model_len)
@@ -175,6 +181,8 @@ class InferenceServer:
         await self._server.stop(grace=1.0)
         if self.worker is not None:
             self.worker.stop()
+        if self.lockstep is not None:  # after the engine thread: no step is sent after `stop`
+            self.lockstep.stop()
         if self.service.router is not None:
             await self.service.router.close()
         self.metrics.close()

@@ -37,6 +37,7 @@ from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.models import KVCache, LlamaForCausalLM
 from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
 from jaxinfer.parallel import named_sharding
+from jaxinfer.parallel.lockstep import Leader
 from jaxinfer.processor.unit import ExecReport, ExecUnit
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,9 @@ class HostBatch:
     def num_tokens(self) -> int:
         return self.tokens.shape[0]
 
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+
     def to_inputs(self) -> StepInputs:
         meta = AttentionMetadata(self.positions, self.seq_rows, self.page_table, self.write_slots)
         sampling = SamplingInputs(
@@ -93,6 +97,7 @@ class StepResult:
     logprobs: jax.Array  # [max_seqs] float32
     rows: int
     exec_report: ExecReport | None = None  # the processor's slots after this step (when it has any)
+    number: int = -1  # dispatch order on its runner (followers of a process group replay by it)
 
     def fetch_exec(self) -> ExecReport | None:
         return None if self.exec_report is None else ExecReport(*(np.asarray(part) for part in self.exec_report))
@@ -175,6 +180,8 @@ class ModelRunner:
         self.compiles_after_warmup = 0
         self.warmup_seconds = 0.0
         self.spec = None  # a SpecRunner (engine/spec_step.py) when a draft model is attached
+        self.lockstep: Leader | None = None  # multi-host: sends each step to the followers before dispatching it
+        self._dispatched = 0
 
     # -- device state -----------------------------------------------------------------------
     def allocate_caches(self, m: ModelConfig, dtype: jnp.dtype) -> tuple[KVCache, ...]:
@@ -296,6 +303,9 @@ class ModelRunner:
         """Enqueues one step and returns without waiting for it; `from_prev` indexes `previous`'s ids."""
         executable = self._executable(batch.num_tokens)
         self.copy_evicted_pages()
+        number, self._dispatched = self._dispatched, self._dispatched + 1
+        if self.lockstep is not None:
+            self.lockstep.step(number, previous.number if previous is not None else -1, batch.arrays())
         inputs = jax.device_put(batch.to_inputs(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
         outputs = executable(self.state, self.caches, prev_tokens, inputs, *self._exec_args())
@@ -307,7 +317,11 @@ class ModelRunner:
                 part.copy_to_host_async()
         tokens.copy_to_host_async()
         logprobs.copy_to_host_async()
-        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), exec_report)
+        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), exec_report, number)
+
+    def replay(self, arrays: dict[str, np.ndarray], previous: StepResult | None) -> StepResult:
+        """A follower's copy of a step the leader dispatched (see parallel/lockstep.py)."""
+        return self.dispatch(HostBatch(**arrays), previous)
 
     def dispatch_exec_only(self) -> StepResult:
         """A step of the processor alone (programs running, no tokens to compute): samples nothing."""

@@ -1,0 +1,243 @@
+"""Lockstep serving across processes: the leader's step inputs go to every follower, which replays them.
+
+In multi-controller JAX every process must launch the same computations, in the same order, on the
+global mesh. Only the leader (process 0) runs the scheduler; before it dispatches a step it sends
+that step's host arrays (the small int32/float32 arrays of a `HostBatch`) to every follower over a
+TCP control channel, and each follower dispatches the same step on its own chips. Sampled ids are
+replicated over the mesh, so the leader reads them from its own devices.
+
+The channel also carries the group's life: the leader sends `stop` when it shuts down and the
+followers exit cleanly; a follower that reads end-of-file (the leader died) exits non-zero; the
+leader exits non-zero at once when a follower's connection drops, since its next collective would
+wait for that follower forever. The leader publishes its address and a one-time token in the
+coordination service's key-value store, so only members of the group can connect.
+
+Frames: 8 bytes (header length, payload length, big-endian), a JSON header, then the arrays' raw
+bytes back to back, described by the header (name, dtype, shape). No pickle crosses the wire.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.errors import ConfigError, JaxinferError
+from jaxinfer.parallel.distributed import ProcessGroup, key_value_store
+
+log = logging.getLogger(__name__)
+
+ADDRESS_KEY = "jaxinfer/lockstep/leader"
+ENV_CONTROL_HOST = "JAXINFER_CONTROL_HOST"
+ENV_CONTROL_PORT = "JAXINFER_CONTROL_PORT"
+FOLLOWER_LOST_EXIT = 3  # the leader's exit status when a follower goes away
+LEADER_LOST_EXIT = 4  # a follower's exit status when the leader goes away without `stop`
+KEPT_RESULTS = 8  # a follower keeps this many recent steps' sampled ids (later steps may read them)
+_FRAME = struct.Struct(">II")
+
+
+class LeaderLost(JaxinferError):
+    """The leader's control channel closed without a stop message."""
+
+
+class LeaderStopped(JaxinferError):
+    """The leader stopped before the model was loaded (nothing to replay)."""
+
+
+def _encode(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
+    header = {**header, "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}
+    head = json.dumps(header).encode()
+    payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
+    return _FRAME.pack(len(head), len(payload)) + head + payload
+
+
+def _receive_exactly(sock: socket.socket, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """One frame: (header, arrays), or None at end of file."""
+    prefix = _receive_exactly(sock, _FRAME.size)
+    if prefix is None:
+        return None
+    head_size, payload_size = _FRAME.unpack(prefix)
+    head, payload = _receive_exactly(sock, head_size), _receive_exactly(sock, payload_size)
+    if head is None or payload is None:
+        return None
+    header = json.loads(head)
+    arrays, offset = {}, 0
+    for name, dtype_text, shape in header.pop("arrays"):
+        dtype = np.dtype(dtype_text)
+        if dtype.hasobject:
+            raise ValueError(f"control channel: array {name} has an object dtype")
+        size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        arrays[name] = np.frombuffer(payload, dtype, count=size // dtype.itemsize, offset=offset).reshape(shape)
+        offset += size
+    return header, arrays
+
+
+def _exit_now(message: str, status: int) -> None:
+    """Ends the process at once: a collective waiting on a lost peer would never return."""
+    log.critical(message)
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+class Leader:
+    """Process 0's end: accepts every follower, then sends each step before dispatching it."""
+
+    def __init__(self, group: ProcessGroup, accept_timeout: float = 600.0,
+                 on_follower_lost: Callable[[str], None] | None = None):
+        self.group = group
+        self.stopping = False
+        self.on_follower_lost = on_follower_lost or (lambda message: _exit_now(message, FOLLOWER_LOST_EXIT))
+        self._lock = threading.Lock()
+        token = secrets.token_hex(16)
+        listener = socket.create_server(("", int(os.environ.get(ENV_CONTROL_PORT, "0"))))
+        host = os.environ.get(ENV_CONTROL_HOST) or group.coordinator_host or socket.gethostbyname(socket.gethostname())
+        address = f"{host}:{listener.getsockname()[1]}"
+        key_value_store().key_value_set(ADDRESS_KEY, json.dumps({"address": address, "token": token}))
+        try:
+            self.followers = self._accept(listener, token, accept_timeout)
+        finally:
+            listener.close()
+        for process_id, sock in self.followers.items():
+            threading.Thread(target=self._watch, args=(process_id, sock), daemon=True,
+                             name=f"lockstep-watch-{process_id}").start()
+        log.info("lockstep leader at %s with %d followers", address, len(self.followers))
+
+    def _accept(self, listener: socket.socket, token: str, timeout: float) -> dict[int, socket.socket]:
+        followers: dict[int, socket.socket] = {}
+        deadline = time.monotonic() + timeout
+        expected = set(range(1, self.group.num_processes))
+        while set(followers) != expected:
+            listener.settimeout(max(0.1, deadline - time.monotonic()))
+            try:
+                sock, peer = listener.accept()
+            except TimeoutError:
+                missing = sorted(expected - set(followers))
+                raise ConfigError(f"followers {missing} did not connect within {timeout:.0f}s") from None
+            sock.settimeout(30.0)
+            hello = receive(sock)
+            header = hello[0] if hello else {}
+            process_id = header.get("process_id")
+            if header.get("token") != token or process_id not in expected or process_id in followers:
+                log.warning("control channel: refused a connection from %s", peer)
+                sock.close()
+                continue
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            followers[process_id] = sock
+        return followers
+
+    def _watch(self, process_id: int, sock: socket.socket) -> None:
+        """Followers never send after hello: any read returning means the connection is gone."""
+        with contextlib.suppress(OSError):
+            sock.recv(1)
+        if not self.stopping:
+            self.on_follower_lost(f"follower process {process_id} left the group (its control connection "
+                                  "closed); the leader stops")
+
+    def _send(self, frame: bytes) -> None:
+        with self._lock:
+            for process_id, sock in self.followers.items():
+                try:
+                    sock.sendall(frame)
+                except OSError as error:
+                    if not self.stopping:
+                        self.on_follower_lost(f"follower process {process_id} is unreachable ({error}); "
+                                              "the leader stops")
+
+    def begin_load(self) -> None:
+        """Lets the followers load the model: loading places arrays with collectives, so all load together."""
+        self._send(_encode({"op": "load"}, {}))
+
+    def step(self, number: int, previous: int, arrays: dict[str, np.ndarray]) -> None:
+        """Sends step `number` (its inputs; `previous`: the step whose sampled ids it reads, -1: none)."""
+        self._send(_encode({"op": "step", "number": number, "previous": previous}, arrays))
+
+    def stop(self) -> None:
+        """Tells every follower to exit; safe to call twice."""
+        if self.stopping:
+            return
+        self._send(_encode({"op": "stop"}, {}))
+        self.stopping = True
+        for sock in self.followers.values():
+            sock.close()
+
+
+class Follower:
+    """A follower's end: connects to the leader and replays every step it sends."""
+
+    def __init__(self, group: ProcessGroup, timeout: float = 600.0,
+                 on_leader_lost: Callable[[str], None] | None = None):
+        self.group = group
+        self.on_leader_lost = on_leader_lost or (lambda message: _exit_now(message, LEADER_LOST_EXIT))
+        record = key_value_store().blocking_key_value_get(ADDRESS_KEY, int(timeout * 1000))
+        leader = json.loads(record)
+        host, _, port = leader["address"].rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=timeout)
+        self.sock.settimeout(None)
+        self.sock.sendall(_encode({"op": "hello", "process_id": group.process_id, "token": leader["token"]}, {}))
+        log.info("follower %d connected to the leader at %s", group.process_id, leader["address"])
+
+    def await_load(self) -> None:
+        """Waits until the leader loads the model; raises LeaderStopped if it stops first."""
+        frame = self._receive()
+        if frame[0]["op"] == "stop":
+            self.sock.close()
+            raise LeaderStopped("the leader stopped before loading the model")
+        if frame[0]["op"] != "load":
+            raise LeaderLost(f"control channel: expected load, got {frame[0]['op']}")
+
+    def _receive(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        frame = receive(self.sock)
+        if frame is None:
+            self.on_leader_lost(f"follower {self.group.process_id}: the leader's control connection "
+                                "closed without a stop message")
+            raise LeaderLost("the leader left the group")
+        return frame
+
+    def serve(self, dispatch: Callable[[dict[str, np.ndarray], Any], Any]) -> int:
+        """Replays steps until `stop` and returns how many ran; at end of file the leader is lost.
+
+        `dispatch(arrays, previous_result)` launches one step and returns its result."""
+        results: dict[int, Any] = {}
+        replayed = 0
+        log.info("follower %d replaying the leader's steps", self.group.process_id)
+        while True:
+            header, arrays = self._receive()
+            if header["op"] == "stop":
+                self.sock.close()
+                return replayed
+            number, previous = header["number"], header["previous"]
+            if previous >= 0 and previous not in results:
+                raise LeaderLost(f"step {number} reads step {previous}, which this follower no longer keeps")
+            results[number] = dispatch(arrays, results.get(previous))
+            results.pop(number - KEPT_RESULTS, None)
+            replayed += 1
+
+
+def connect(group: ProcessGroup) -> Leader | Follower | None:
+    """Joins the group's control channel: process 0 leads; None for a single process."""
+    if not group.distributed:
+        return None
+    return Leader(group) if group.process_id == 0 else Follower(group)

@@ -1,0 +1,253 @@
+"""Multi-host serving on the CPU with real processes: two processes of 4 CPU devices each (gloo
+collectives, coordinator on 127.0.0.1) run one model sharded over all 8 devices in lockstep.
+
+Also: a sharded orbax checkpoint saved from one layout restores into other mesh shapes, a leader
+that stops takes its followers with it, and a lost process stops the group with a clear error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxinfer.parallel.lockstep import FOLLOWER_LOST_EXIT, LEADER_LOST_EXIT
+
+REPO = Path(__file__).resolve().parents[1]
+ENGINE_TOML = """[engine]
+token_buckets = [8, 64]
+max_seqs = 8
+num_pages = 256
+page_size = 8
+compile_guard = "raise"
+"""
+LINES = [
+    {"id": "capital", "prompt": "What is the capital of France?", "max_tokens": 12},
+    {"id": "colors", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16},
+    {"id": "count", "prompt": "1, 2, 3, 4,", "max_tokens": 20},
+    {"id": "story", "messages": [{"role": "user", "content": "Tell me a very long story about a fox."}],
+     "max_tokens": 40},
+]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_env(devices: int) -> dict[str, str]:
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    """The engine config, the input lines, and SmolLM2 converted to orbax sharded over 2 devices."""
+    root = tmp_path_factory.mktemp("multihost")
+    (root / "engine.toml").write_text(ENGINE_TOML)
+    (root / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert.py"), "--model", "smollm2-135m",
+                           "--output", str(root / "orbax"), "--mesh-model", "2"], env=cpu_env(2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root
+
+
+class Group:
+    """`python -m jaxinfer.batch` started as processes 0..n-1 of one group; stderr goes to files."""
+
+    def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run"):
+        self.port = free_port()
+        self.logs = [workdir / f"{name}-{i}.log" for i in range(processes)]
+        self.output = workdir / f"{name}.jsonl"
+        args = ["--config", str(workdir / "engine.toml"), "--output", str(self.output), "--no-progress", "-v",
+                "--coordinator", f"127.0.0.1:{self.port}", "--num-processes", str(processes), *extra]
+        self.procs = []
+        for i, log_path in enumerate(self.logs):
+            with open(log_path, "w") as log_file:
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "jaxinfer.batch", *args, "--process-id", str(i)], cwd=REPO,
+                    env=cpu_env(4), stdout=subprocess.DEVNULL, stderr=log_file))
+
+    def log(self, i: int) -> str:
+        return self.logs[i].read_text(errors="replace")
+
+    def wait_for(self, i: int, text: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log(i):
+            assert self.procs[i].poll() is None, f"process {i} exited early:\n{self.log(i)[-3000:]}"
+            assert time.monotonic() < deadline, f"process {i} never logged {text!r}:\n{self.log(i)[-3000:]}"
+            time.sleep(0.2)
+
+    def wait(self, i: int, timeout: float = 300) -> int:
+        return self.procs[i].wait(timeout)
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.fixture
+def groups():
+    started: list[Group] = []
+    yield started
+    for group in started:
+        group.kill_all()
+
+
+def token_ids(path: Path) -> dict[str, list[int]]:
+    return {record["id"]: record["token_ids"] for record in map(json.loads, path.read_text().splitlines())}
+
+
+def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups):
+    """Greedy output over 2 processes x 4 devices (weights restored from the orbax checkpoint saved
+    sharded over 2 devices) equals one process with 8 devices on the GGUF."""
+    group = Group(workdir, "--model", str(workdir / "orbax"), "--input", str(workdir / "in.jsonl"))
+    groups.append(group)
+    assert group.wait(0) == 0, group.log(0)[-3000:]
+    assert group.wait(1) == 0, group.log(1)[-3000:]
+    replayed = [line for line in group.log(1).splitlines() if "replayed" in line]
+    assert replayed and int(replayed[-1].split()[3]) > 0, group.log(1)[-2000:]
+    assert "lockstep leader at" in group.log(0)
+    assert not (workdir / "run.jsonl.tmp").exists()
+
+    single = workdir / "single.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--config", str(workdir / "engine.toml"),
+                           "--input", str(workdir / "in.jsonl"), "--output", str(single), "--no-progress"],
+                          cwd=REPO, env=cpu_env(8), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = token_ids(single)
+    assert sorted(expected) == sorted(line["id"] for line in LINES)
+    assert all(expected.values())
+    assert token_ids(group.output) == expected
+
+
+RESTORE_CHILD = r"""
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from jaxinfer.parallel import make_mesh
+from jaxinfer.weights.loader import load_model, parameters
+
+folder = sys.argv[1]
+reference = parameters(load_model("smollm2-135m", make_mesh(1, 1), jnp.float32).model)
+report = {}
+for data, model in ((1, 8), (2, 4), (4, 1)):
+    params = parameters(load_model(folder, make_mesh(data, model), jnp.float32).model)
+    up = params["model.layers.0.mlp.up_proj.kernel"].get_value()
+    report[f"{data}x{model}"] = dict(
+        equal=all(np.array_equal(np.asarray(p.get_value()), np.asarray(reference[name].get_value()))
+                  for name, p in params.items()),
+        spec=str(up.sharding.spec), shard=list(up.addressable_shards[0].data.shape), full=list(up.shape))
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_orbax_saved_over_two_devices_restores_into_other_mesh_shapes(workdir):
+    proc = subprocess.run([sys.executable, "-c", RESTORE_CHILD, str(workdir / "orbax")], cwd=REPO, env=cpu_env(8),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[len("REPORT "):])
+    for mesh, model_axis in (("1x8", 8), ("2x4", 4), ("4x1", 1)):
+        assert report[mesh]["equal"], report
+        full, shard = report[mesh]["full"], report[mesh]["shard"]
+        assert shard == [full[0], full[1] // model_axis], report  # each device holds its slice only
+
+
+def test_leader_stop_ends_followers_cleanly(workdir, groups):
+    """The leader fails before loading (no input file): the follower is told to stop and exits 0."""
+    group = Group(workdir, "--input", str(workdir / "missing.jsonl"), name="stop")
+    groups.append(group)
+    assert group.wait(0) == 2
+    assert "--input: file not found" in group.log(0)
+    assert group.wait(1) == 0, group.log(1)[-3000:]
+    assert "process 1: replayed 0 steps" in group.log(1)
+    assert not group.output.exists()
+
+
+def test_lost_follower_stops_the_leader_with_an_error(workdir, groups):
+    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="lost-follower")
+    groups.append(group)
+    group.wait_for(0, "lockstep leader at")
+    group.procs[1].send_signal(signal.SIGKILL)
+    assert group.wait(0, timeout=120) == FOLLOWER_LOST_EXIT, group.log(0)[-3000:]
+    assert "error: follower process 1 left the group" in group.log(0)
+    assert not group.output.exists()
+
+
+def test_lost_leader_stops_the_follower_with_an_error(workdir, groups):
+    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="lost-leader")
+    groups.append(group)
+    """Whichever notices first ends the follower: its control channel (exit 4) or JAX's coordination
+    service, which aborts every task of a group whose coordinator (process 0) is gone."""
+    group.wait_for(1, "replaying the leader's steps")
+    group.procs[0].send_signal(signal.SIGKILL)
+    status = group.wait(1, timeout=120)
+    log = group.log(1)
+    assert status in (LEADER_LOST_EXIT, -signal.SIGABRT), log[-3000:]
+    assert ("the leader's control connection closed without a stop message" in log
+            or "the JAX distributed service detected fatal errors" in log), log[-3000:]
+
+
+def test_process_group_from_flags_and_environment():
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.parallel.distributed import ProcessGroup
+
+    env = {"JAXINFER_COORDINATOR": "10.0.0.2:1234", "JAXINFER_NUM_PROCESSES": "4", "JAXINFER_PROCESS_ID": "3"}
+    assert ProcessGroup.resolve(environ=env) == ProcessGroup("10.0.0.2:1234", 4, 3)
+    assert ProcessGroup.resolve(None, None, 1, environ=env).process_id == 1  # a flag wins over the environment
+    assert not ProcessGroup.resolve(environ={}).distributed
+    assert ProcessGroup.resolve("auto", environ={}).distributed
+    assert ProcessGroup("[::1]:80", 2, 0).coordinator_host == "::1"
+    bad = [(("h:1", 2, 2), "--process-id must be in [0, 2)"), (("", 2, 0), "--coordinator HOST:PORT is needed"),
+           (("nohost", 2, 1), "--coordinator must be HOST:PORT"), (("h:99999", 2, 1), "must be HOST:PORT"),
+           (("h:1", 0, 0), "--num-processes must be at least 1")]
+    for args, message in bad:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            ProcessGroup(*args)
+    with pytest.raises(ConfigError, match="JAXINFER_PROCESS_ID must be a non-negative integer"):
+        ProcessGroup.resolve(environ={**env, "JAXINFER_PROCESS_ID": "one"})
+
+
+def test_settings_a_group_cannot_replay_are_refused():
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.errors import ConfigError
+    from jaxinfer.llm import check_multi_process
+
+    check_multi_process(EngineConfig())
+    with pytest.raises(ConfigError, match=r"engine.exec_slots is not supported with more than one process "
+                                          r"\(set engine.exec_slots, engine.kv_store off\)"):
+        check_multi_process(EngineConfig(exec_slots=2, kv_store="/tmp/kv"))
+
+
+def test_control_frames_round_trip_without_pickle():
+    import numpy as np
+
+    from jaxinfer.parallel.lockstep import _encode, receive
+
+    arrays = {"tokens": np.arange(5, dtype=np.int32), "top_p": np.ones((2, 3), np.float32),
+              "seed": np.array([7], np.uint32), "empty": np.zeros((0, 4), np.int32)}
+    left, right = socket.socketpair()
+    with left, right:
+        left.sendall(_encode({"op": "step", "number": 3}, arrays))
+        left.sendall(_encode({"op": "stop"}, {}))
+        header, received = receive(right)
+        assert header == {"op": "step", "number": 3}
+        for name, array in arrays.items():
+            assert received[name].dtype == array.dtype and np.array_equal(received[name], array)
+        assert receive(right) == ({"op": "stop"}, {})
+        left.sendall(_encode({"op": "step"}, {"bad": np.array([None, 1], dtype=object)}))
+        with pytest.raises(ValueError, match="array bad has an object dtype"):
+            receive(right)
+        left.sendall(_encode({"op": "step"}, arrays)[:12])
+        left.close()
+        assert receive(right) is None  # a frame cut short is the end of the channel
