@@ -18,19 +18,20 @@ from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.adapters import AdapterInfo, parse_adapter_spec
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
+from jaxinfer.engine.replicas import ReplicaSet
 from jaxinfer.engine.spec_step import SpecRunner
 from jaxinfer.engine.step import ModelRunner
 from jaxinfer.errors import ConfigError, RequestError
 from jaxinfer.kv.store import ModelIdentity, PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.layers.attention import make_backend
-from jaxinfer.parallel import make_mesh
+from jaxinfer.parallel import make_mesh, replica_meshes
 from jaxinfer.parallel.distributed import ProcessGroup, initialize
 from jaxinfer.parallel.lockstep import Follower, Leader, connect
 from jaxinfer.processor.protocol import CONTROL_TOKENS
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
-from jaxinfer.weights.loader import load_model
+from jaxinfer.weights.loader import load_model, place_copy
 from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,22 @@ def check_multi_process(cfg: EngineConfig) -> None:
                           f"(set {', '.join('engine.' + name for name in used)} off)")
 
 
+# Settings kept per engine that replicas do not share yet (a draft per replica, one set of KV tiers).
+SINGLE_REPLICA_ONLY = ("draft_model", "kv_host_pages", "kv_store")
+
+
 def make_group_mesh(cfg: EngineConfig, group: ProcessGroup):
+    """The ('data', 'model') mesh: with mesh_data > 1 each data row is one replica of the model."""
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
     if group.distributed and mesh.devices.size != jax.device_count():
         raise ConfigError(f"engine.mesh_data x engine.mesh_model = {mesh.devices.size} devices; with "
                           f"{group.num_processes} processes the mesh must span all {jax.device_count()}")
+    if cfg.mesh_data > 1 and group.distributed:
+        raise ConfigError("engine.mesh_data > 1 (replicas) is not supported with more than one process: run one "
+                          "process group per replica behind a load balancer")
+    used = [name for name in SINGLE_REPLICA_ONLY if getattr(cfg, name)]
+    if cfg.mesh_data > 1 and used:
+        raise ConfigError(f"engine.{used[0]} is not supported with engine.mesh_data > 1 (replicas)")
     return mesh
 
 
@@ -111,7 +123,8 @@ class LLM:
         backend = make_backend(
             cfg.attention_backend, block_tokens=cfg.attention_block_tokens, query_tile=cfg.attention_query_tile
         )
-        loaded = load_model(checkpoint, self.mesh, self.dtype, backend, gguf_file=gguf_file)
+        meshes = replica_meshes(self.mesh)
+        loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file)
         self.model_config = loaded.config
         self.tokenizer = (
             tokenizers_.from_gguf(gguf_file) if gguf_file is not None else tokenizers_.load(checkpoint.path)
@@ -123,16 +136,29 @@ class LLM:
             self.model_config = loaded.model.config
         self.load_seconds = time.perf_counter() - start
         self.max_model_len = cfg.resolved_max_model_len(self.model_config)
-        self.runner = ModelRunner(loaded.model, self.model_config, cfg, self.mesh)
+        models = [loaded.model] + [place_copy(loaded.model, mesh) for mesh in meshes[1:]]
+        self.runners = [ModelRunner(m, self.model_config, cfg, mesh) for m, mesh in zip(models, meshes, strict=True)]
+        self.runner = self.runners[0]
         self.runner.lockstep = self.leader
         if cfg.draft_model:  # speculative decoding: the draft's KV pools share the target's page ids
             draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend)
             self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
-        self.engine = Engine(self.runner, self.tokenizer, self.max_model_len, tiers=self._kv_tiers(checkpoint))
+        self.engine = self.new_engine(tiers=self._kv_tiers(checkpoint))
         for spec in cfg.adapters:  # engine.adapters: "NAME" or "NAME=PATH", loaded before any request
             self.load_adapter(*parse_adapter_spec(spec))
-        self.warmup_seconds = self.runner.warmup() if cfg.warmup else 0.0
+        self.warmup_seconds = sum(runner.warmup() for runner in self.runners) if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
+
+    def new_engine(self, tiers: TieredPages | None = None) -> Engine | ReplicaSet:
+        """An engine over this model's device state (one per replica, behind a ReplicaSet)."""
+        count = len(self.runners)
+        engines = [Engine(runner, self.tokenizer, self.max_model_len, tiers=tiers, first_index=i, index_stride=count)
+                   for i, runner in enumerate(self.runners)]
+        return engines[0] if count == 1 else ReplicaSet(engines)
+
+    @property
+    def num_compiles(self) -> int:
+        return sum(runner.num_compiles for runner in self.runners)
 
     @property
     def is_leader(self) -> bool:

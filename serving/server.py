@@ -23,7 +23,6 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.config import EngineConfig, load_engine_config
-from jaxinfer.engine.engine import Engine
 from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
 from jaxinfer.parallel.distributed import ProcessGroup
@@ -154,7 +153,7 @@ class InferenceServer:
     def _engine_snapshot(self) -> tuple[dict[str, float], int] | None:
         if self.worker is None:
             return None
-        return self.worker.engine.metrics(), self.llm.runner.num_compiles
+        return self.worker.engine.metrics(), self.llm.num_compiles
 
     async def load(self) -> None:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
@@ -163,7 +162,7 @@ class InferenceServer:
                                                process_group=self.process_group, lockstep=self.lockstep)
         # The worker's own engine: only its thread steps it. It shares the runner (device caches, page
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
-        engine = Engine(self.llm.runner, self.llm.tokenizer, self.llm.max_model_len)
+        engine = self.llm.new_engine()
         self.worker = EngineWorker(engine, self.config.max_queued)
         self.worker.start()
         self.service.attach(self.llm, self.worker)

@@ -58,6 +58,26 @@ class _InflightStep:
     number: int  # the count of steps launched, this one included
 
 
+def run_to_completion(engine, sequences: list[Sequence], on_finish: Callable[[RequestOutput], None] | None
+                      ) -> list[RequestOutput]:
+    """Steps `engine` (an Engine or a ReplicaSet) until nothing is left; outputs in `sequences` order.
+
+    An error mid-run aborts the sequences, so no page leaks and no request stays queued."""
+    outputs: dict[int, RequestOutput] = {}
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                outputs[out.index] = out
+                if on_finish:
+                    on_finish(out)
+    except BaseException:
+        engine.discard_inflight()
+        for seq in sequences:
+            engine.abort(seq.index)
+        raise
+    return [outputs[seq.index] for seq in sequences]
+
+
 class Engine:
     def __init__(
         self,
@@ -67,8 +87,12 @@ class Engine:
         prefix_caching: bool | None = None,
         async_scheduling: bool | None = None,
         tiers: TieredPages | None = None,
+        first_index: int = 0,
+        index_stride: int = 1,
     ):
-        """Engines on one runner share its page pool (the device pages); the flags override the config."""
+        """Engines on one runner share its page pool (the device pages); the flags override the config.
+
+        Requests get indices first_index, first_index + index_stride, ... (replicas keep them apart)."""
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
         self.cfg = runner.cfg
         self.pool = runner.pool
@@ -89,7 +113,7 @@ class Engine:
                                          max_model_len, self._fill_sampling)
             self.async_scheduling = False
         self._rng = random.Random(self.cfg.seed)
-        self._next_index = -1
+        self._next_index, self._index_stride = first_index - index_stride, index_stride
         self._inflight: _InflightStep | None = None
         self.executor = self._make_executor()
         self._forced_finished: list[Sequence] = []  # finished by appended exec result tokens (max_tokens)
@@ -214,21 +238,9 @@ class Engine:
         for request in requests:
             self.validate(request)
         sequences = [self._enqueue(r) for r in requests]  # all validated first: none queued if one is bad
-        outputs: dict[int, RequestOutput] = {}
-        try:
-            while self.has_unfinished():
-                for out in self.step():
-                    outputs[out.index] = out
-                    if on_finish:
-                        on_finish(out)
-        except BaseException:
-            self._discard_inflight()
-            for seq in sequences:  # an error mid-run must not leak pages or leave requests queued
-                self.abort(seq.index)
-            raise
-        return [outputs[seq.index] for seq in sequences]
+        return run_to_completion(self, sequences, on_finish)
 
-    def _discard_inflight(self) -> None:
+    def discard_inflight(self) -> None:
         """Forgets the step in flight; its sequences will recompute their last token and sample again
         (the same id: sampling keys depend only on the seed and the count of generated tokens)."""
         step, self._inflight = self._inflight, None
@@ -251,7 +263,7 @@ class Engine:
 
     def _enqueue(self, request: Request) -> Sequence:
         self._record_guard(request)
-        self._next_index += 1
+        self._next_index += self._index_stride
         seq = self._new_sequence(self._next_index, request)
         self.scheduler.add(seq)
         return seq

@@ -62,6 +62,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def computing(self, key: bytes) -> bool:
+        """Whether a running sequence will compute the page with this prefix key."""
+        return key in self._pending
+
     def wait_for_store(self) -> bool:
         """Blocks until a KV store read of a waiting sequence is done; False if none is under way."""
         reading = next((s.store_read for s in self.waiting if s.store_read is not None), None)

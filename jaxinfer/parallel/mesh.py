@@ -44,6 +44,12 @@ def make_mesh(data: int = 1, model: int = 0, devices: Sequence[jax.Device] | Non
     return Mesh(np.array(grid), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """Each 'data' row of the mesh as a mesh of its own: the devices of one data-parallel replica."""
+    return [Mesh(mesh.devices[row : row + 1], MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+            for row in range(mesh.devices.shape[0])]
+
+
 def spec_for(shape: Sequence[int], logical_axes: Sequence[str | None], mesh: Mesh) -> PartitionSpec:
     """PartitionSpec for an array: each logical axis goes to its mesh axis when that divides it."""
     if len(shape) != len(logical_axes):

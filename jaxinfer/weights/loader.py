@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
@@ -117,6 +117,19 @@ def load_model(
         return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
     model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source, names)
     return LoadedModel(cfg, model, checkpoint)
+
+
+def place_copy(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
+    """A copy of a loaded model on another mesh of the same shape (a data-parallel replica's devices)."""
+    graphdef, state = nnx.split(model)
+
+    def move(value):
+        if not isinstance(value, jax.Array):
+            return value
+        spec = value.sharding.spec if isinstance(value.sharding, NamedSharding) else PartitionSpec()
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    return nnx.merge(graphdef, jax.tree.map(move, state))
 
 
 def random_model(

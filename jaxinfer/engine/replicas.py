@@ -1,0 +1,142 @@
+"""Data-parallel replicas: several engines, each on its own submesh, behind one engine interface.
+
+With `engine.mesh_data = D` every row of the ('data', 'model') mesh is an independent replica: its
+own copy of the weights (sharded over its row's devices), its own KV pages, scheduler and processor
+slots. A request goes to the replica that already holds the longest prefix of its prompt (cached
+or being computed), else to the least loaded; requests of one exec session always go to the same
+replica, which keeps that session's memory. `step` steps every replica in turn: a step returns
+once it is dispatched, so the replicas' devices compute at the same time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import fields
+
+from jaxinfer.engine.adapters import AdapterInfo, ReadAdapter
+from jaxinfer.engine.engine import Engine, run_to_completion
+from jaxinfer.engine.metrics import EngineStats, snapshot
+from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
+from jaxinfer.engine.sequence import Sequence
+from jaxinfer.kv.prefix_cache import chain_keys
+
+
+class ReplicaSet:
+    """Engines built with `first_index=r, index_stride=len(engines)`: a request's index names its replica."""
+
+    def __init__(self, engines: list[Engine]):
+        self.engines = engines
+        self.tokenizer = engines[0].tokenizer
+        self.cfg = engines[0].cfg
+        self.runner = engines[0].runner  # the first replica's (for what every replica has alike)
+
+    # -- routing ----------------------------------------------------------------------------------
+    def route(self, request: Request) -> Engine:
+        session = request.params.exec_session if request.params.exec else ""
+        if session:
+            digest = hashlib.sha256(f"{request.tenant}\x00{session}".encode()).digest()
+            return self.engines[int.from_bytes(digest[:4], "big") % len(self.engines)]
+        return max(self.engines, key=lambda engine: (self._cached_pages(engine, request), -self._load(engine)))
+
+    def _cached_pages(self, engine: Engine, request: Request) -> int:
+        """Leading full pages of the prompt that the replica holds or is computing."""
+        if not engine.prefix_caching:
+            return 0
+        adapter = engine._adapter_of(request)
+        salt = request.cache_salt + (f"\x00lora:{adapter.digest}" if adapter is not None else "")
+        count = 0
+        for key in chain_keys(request.prompt_ids, self.cfg.page_size, salt):
+            if key not in engine.pool and not engine.scheduler.computing(key):
+                break
+            count += 1
+        return count
+
+    @staticmethod
+    def _load(engine: Engine) -> int:
+        scheduler = engine.scheduler
+        return sum(seq.num_tokens - seq.num_computed + 1 for seq in (*scheduler.running, *scheduler.waiting))
+
+    def _owner(self, index: int) -> Engine:
+        return self.engines[index % len(self.engines)]
+
+    # -- the engine interface -------------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        self.engines[0].validate(request)
+
+    def add_request(self, request: Request) -> Sequence:
+        return self.route(request).add_request(request)
+
+    def generate(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
+                 ) -> list[RequestOutput]:
+        for request in requests:
+            self.validate(request)
+        sequences = [self.route(request).add_request(request) for request in requests]
+        return run_to_completion(self, sequences, on_finish)
+
+    def has_unfinished(self) -> bool:
+        return any(engine.has_unfinished() for engine in self.engines)
+
+    def step(self) -> list[RequestOutput]:
+        return [out for engine in self.engines if engine.has_unfinished() for out in engine.step()]
+
+    def abort(self, index: int) -> RequestOutput | None:
+        return self._owner(index).abort(index)
+
+    def discard_inflight(self) -> None:
+        for engine in self.engines:
+            engine.discard_inflight()
+
+    def adapter_name(self, request: Request) -> str:
+        return self.engines[0].adapter_name(request)
+
+    def shown_special_ids(self, params: SamplingParams) -> frozenset[int]:
+        return self.engines[0].shown_special_ids(params)
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.engines[0].prefix_caching
+
+    def persist_prefix_cache(self) -> None:
+        for engine in self.engines:
+            engine.persist_prefix_cache()
+
+    # -- adapters: resident on every replica ----------------------------------------------------------
+    def load_adapter(self, name: str, source: str = "", read: ReadAdapter | None = None) -> AdapterInfo:
+        loaded: list[Engine] = []
+        try:
+            for engine in self.engines:
+                info = engine.load_adapter(name, source, read)
+                loaded.append(engine)
+        except BaseException:
+            for engine in loaded:  # all or none: a name means the same adapter on every replica
+                engine.unload_adapter(name)
+            raise
+        return info
+
+    def unload_adapter(self, name: str) -> None:
+        def users(engine: Engine) -> int:
+            return next((info.users for info in engine.list_adapters() if info.name == name), 0)
+
+        # Refused while in use: a replica using it goes first, so a refusal comes before any change.
+        for engine in sorted(self.engines, key=users, reverse=True):
+            engine.unload_adapter(name)
+
+    def list_adapters(self) -> list[AdapterInfo]:
+        return self.engines[0].list_adapters()
+
+    # -- metrics ----------------------------------------------------------------------------------------
+    @property
+    def stats(self) -> EngineStats:
+        """Every replica's counters added up (steps count each replica's steps)."""
+        total = EngineStats()
+        for engine in self.engines:
+            for field in fields(EngineStats):
+                setattr(total, field.name, getattr(total, field.name) + getattr(engine.stats, field.name))
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        schedulers = [engine.scheduler for engine in self.engines]
+        return {**snapshot(self.stats, sum(len(s.running) for s in schedulers), sum(len(s.waiting) for s in schedulers),
+                           sum(e.pool.num_free for e in self.engines), sum(e.pool.capacity for e in self.engines)),
+                "replicas": len(self.engines)}
