@@ -47,3 +47,45 @@ def test_page_table_width_tiles_the_attention_blocks():
     cfg = EngineConfig(page_size=16, attention_block_tokens=128)
     assert cfg.resolved_max_model_len(model) == 1000
     assert cfg.max_pages_per_seq(model) % 8 == 0 and cfg.max_pages_per_seq(model) * 16 >= 1000
+
+
+SERVE_CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("serve-*.toml"))
+
+
+@pytest.mark.parametrize("path", SERVE_CONFIGS, ids=lambda p: p.name)
+def test_shipped_serve_configs_load(path):
+    from serving.server import check_role, load_configs
+
+    serve, engine = load_configs(path)
+    check_role(serve, engine)
+    assert serve.model and serve.port > 0
+
+
+def test_deploy_manifests_use_the_engine_s_names_and_ports():
+    """The GKE manifests name the environment variables the code reads and the ports the config serves."""
+    import yaml
+
+    from jaxinfer.parallel import distributed, lockstep
+    from serving.server import load_configs
+
+    repo = Path(__file__).resolve().parents[1]
+    known = {distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+             lockstep.ENV_CONTROL_PORT, lockstep.ENV_CONTROL_HOST}
+    manifests = sorted((repo / "configs" / "deploy").glob("*.yaml"))
+    assert manifests
+    for path in manifests:
+        workload, service = yaml.safe_load_all(path.read_text())
+        text = yaml.safe_dump(workload)
+        pods = [workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]] if "leaderWorkerTemplate" in text \
+            else [workload["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]]
+        for pod in pods:
+            container = pod["containers"][0]
+            names = {e["name"] for e in container.get("env", [])}
+            assert names <= known, (path.name, names - known)
+            command = container["command"]
+            serve, _ = load_configs(repo / command[command.index("--config") + 1])
+            ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+            assert ports["grpc"] == serve.port and ports["metrics"] == serve.metrics_port, path.name
+            assert ports["control"] == int(next(e["value"] for e in container["env"]
+                                               if e["name"] == lockstep.ENV_CONTROL_PORT)), path.name
+        assert {p["targetPort"] for p in service["spec"]["ports"]} == {serve.port, serve.metrics_port}, path.name

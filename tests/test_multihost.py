@@ -163,6 +163,56 @@ def test_orbax_saved_over_two_devices_restores_into_other_mesh_shapes(workdir):
         assert shard == [full[0], full[1] // model_axis], report  # each device holds its slice only
 
 
+SERVE_TOML = """[serve]
+model = "smollm2-135m"
+host = "127.0.0.1"
+port = 0
+metrics_port = -1
+
+""" + ENGINE_TOML
+
+
+def test_two_process_grpc_server_streams_and_sigterm_stops_the_group(workdir, smollm2_llm):
+    """`python -m serving` as process 0 of 2: health goes SERVING once both hosts loaded, Generate
+    streams the same greedy tokens as one process, and SIGTERM ends both with status 0."""
+    from grpc_health.v1 import health_pb2
+    from test_serving_process import health
+
+    from jaxinfer import SamplingParams
+    from serving.client import InferenceClient
+
+    (workdir / "serve.toml").write_text(SERVE_TOML)
+    port = free_port()
+    args = ["--config", str(workdir / "serve.toml"), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    follower_log = workdir / "serve-1.log"
+    with open(follower_log, "w") as log_file:
+        follower = subprocess.Popen([sys.executable, "-m", "serving", *args, "--process-id", "1"], cwd=REPO,
+                                    env=cpu_env(4), stdout=subprocess.DEVNULL, stderr=log_file)
+    leader = subprocess.Popen([sys.executable, "-m", "serving", *args, "--process-id", "0"], cwd=REPO,
+                              env=cpu_env(4), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        target = f"127.0.0.1:{json.loads(leader.stdout.readline())['port']}"
+        deadline = time.monotonic() + 300
+        while health(target) != health_pb2.HealthCheckResponse.SERVING:
+            assert leader.poll() is None and follower.poll() is None, follower_log.read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        with InferenceClient(target, timeout=120) as client:
+            ids = [i for delta in client.stream("1, 2, 3, 4,", max_tokens=20, temperature=0.0)
+                   for i in delta.token_ids]
+        expected = smollm2_llm.generate("1, 2, 3, 4,", SamplingParams(max_tokens=20, temperature=0.0))[0]
+        assert ids == expected.token_ids
+        leader.send_signal(signal.SIGTERM)
+        assert leader.wait(timeout=120) == 0
+        assert follower.wait(timeout=120) == 0, follower_log.read_text()[-3000:]
+        assert "the leader stopped after" in follower_log.read_text()
+    finally:
+        for proc in (leader, follower):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_leader_stop_ends_followers_cleanly(workdir, groups):
     """The leader fails before loading (no input file): the follower is told to stop and exits 0."""
     group = Group(workdir, "--input", str(workdir / "missing.jsonl"), name="stop")
