@@ -141,7 +141,7 @@ class LLM:
         self.runner = self.runners[0]
         self.runner.lockstep = self.leader
         if cfg.draft_model:  # speculative decoding: the draft's KV pools share the target's page ids
-            draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend)
+            draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend, target=loaded.model)
             self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
         self.engine = self.new_engine(tiers=self._kv_tiers(checkpoint))
         for spec in cfg.adapters:  # engine.adapters: "NAME" or "NAME=PATH", loaded before any request

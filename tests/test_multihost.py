@@ -282,22 +282,22 @@ def test_settings_a_group_cannot_replay_are_refused():
 def test_control_frames_round_trip_without_pickle():
     import numpy as np
 
-    from jaxinfer.parallel.lockstep import _encode, receive
+    from jaxinfer.parallel.lockstep import encode, receive
 
     arrays = {"tokens": np.arange(5, dtype=np.int32), "top_p": np.ones((2, 3), np.float32),
               "seed": np.array([7], np.uint32), "empty": np.zeros((0, 4), np.int32)}
     left, right = socket.socketpair()
     with left, right:
-        left.sendall(_encode({"op": "step", "number": 3}, arrays))
-        left.sendall(_encode({"op": "stop"}, {}))
+        left.sendall(encode({"op": "step", "number": 3}, arrays))
+        left.sendall(encode({"op": "stop"}, {}))
         header, received = receive(right)
         assert header == {"op": "step", "number": 3}
         for name, array in arrays.items():
             assert received[name].dtype == array.dtype and np.array_equal(received[name], array)
         assert receive(right) == ({"op": "stop"}, {})
-        left.sendall(_encode({"op": "step"}, {"bad": np.array([None, 1], dtype=object)}))
+        left.sendall(encode({"op": "step"}, {"bad": np.array([None, 1], dtype=object)}))
         with pytest.raises(ValueError, match="array bad has an object dtype"):
             receive(right)
-        left.sendall(_encode({"op": "step"}, arrays)[:12])
+        left.sendall(encode({"op": "step"}, arrays)[:12])
         left.close()
         assert receive(right) is None  # a frame cut short is the end of the channel

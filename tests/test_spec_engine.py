@@ -14,6 +14,7 @@ from conftest import TEST_ENGINE
 from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.errors import CheckpointError
 from jaxinfer.weights.draft import save_draft, truncated_weights
 
 pytestmark = pytest.mark.slow
@@ -37,6 +38,16 @@ def draft_folder(smollm2_llm, tmp_path_factory):
 @pytest.fixture(scope="module")
 def truncated_draft(draft_folder):
     return LLM("smollm2-135m", **TEST_ENGINE, draft_model=str(draft_folder), num_draft_tokens=4)
+
+
+def test_a_draft_takes_its_embedding_from_the_target(draft_folder):
+    meta = json.loads((draft_folder / "jaxinfer.json").read_text())
+    assert meta["from_target"] == ["model.embed_tokens.weight"]
+    stored = sum(f.stat().st_size for f in (draft_folder / "state").rglob("*") if f.is_file())
+    assert stored < 40e6  # two float32 layers (28 MB); the embedding alone would add 113 MB
+    with pytest.raises(CheckpointError, match="takes model.embed_tokens.weight from its target model; load it "
+                                              "as engine.draft_model"):
+        LLM(str(draft_folder), **TEST_ENGINE)
 
 
 def spec_stats(llm: LLM) -> tuple[int, int]:

@@ -10,8 +10,9 @@
    layer-skip draft, `weights/draft.py`). The layers and the final norm are trained with optax
    (AdamW) on the KL divergence to the teacher over the top-k ids; the embedding, which is also
    the head, stays frozen, so the draft keeps the target's vocabulary space.
-4. The draft is saved as an orbax checkpoint (`draft_model = <output>`), with `train_log.json`
-   (command, times, loss per step, top-1 agreement with the target on held-out sequences).
+4. The draft is saved as an orbax checkpoint (`draft_model = <output>`) in `--dtype`, without the
+   frozen embedding (taken from the target at load time), with `train_log.json` (command, times,
+   loss per step, top-1 agreement with the target on held-out sequences).
 """
 
 from __future__ import annotations
@@ -173,6 +174,8 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"],
+                   help="saved weights (the engine casts them to its dtype at load)")
     args = p.parse_args()
     times, started = {}, time.perf_counter()
     llm = LLM(args.model, str(REPO / "configs" / "engine-cpu.toml"))
@@ -192,7 +195,8 @@ def main() -> None:
     times["train_s"] = round(time.perf_counter() - mark, 1)
     after = agreement(student, cfg, data[held], held_ids, args.batch, args.seq_len)
     weights = {name: np.asarray(param.get_value()) for name, param in parameters(student).items()}
-    save_draft(args.output, cfg, weights, source=f"{args.model}: first {args.layers} layers, distilled")
+    save_draft(args.output, cfg, weights, source=f"{args.model}: first {args.layers} layers, distilled",
+               dtype=args.dtype)
     report = {"command": " ".join(sys.argv), "layers": args.layers, "sequences": args.sequences,
               "seq_len": args.seq_len, "epochs": args.epochs, "top1_agreement_before": round(before, 4),
               "top1_agreement_after": round(after, 4), **times, "total_s": round(time.perf_counter() - started, 1),

@@ -55,7 +55,7 @@ class LeaderStopped(JaxinferError):
     """The leader stopped before the model was loaded (nothing to replay)."""
 
 
-def _encode(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
+def encode(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
     header = {**header, "arrays": [[name, a.dtype.str, list(a.shape)] for name, a in arrays.items()]}
     head = json.dumps(header).encode()
     payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
@@ -168,17 +168,17 @@ class Leader:
 
     def begin_load(self) -> None:
         """Lets the followers load the model: loading places arrays with collectives, so all load together."""
-        self._send(_encode({"op": "load"}, {}))
+        self._send(encode({"op": "load"}, {}))
 
     def step(self, number: int, previous: int, arrays: dict[str, np.ndarray]) -> None:
         """Sends step `number` (its inputs; `previous`: the step whose sampled ids it reads, -1: none)."""
-        self._send(_encode({"op": "step", "number": number, "previous": previous}, arrays))
+        self._send(encode({"op": "step", "number": number, "previous": previous}, arrays))
 
     def stop(self) -> None:
         """Tells every follower to exit; safe to call twice."""
         if self.stopping:
             return
-        self._send(_encode({"op": "stop"}, {}))
+        self._send(encode({"op": "stop"}, {}))
         self.stopping = True
         for sock in self.followers.values():
             sock.close()
@@ -196,7 +196,7 @@ class Follower:
         host, _, port = leader["address"].rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.settimeout(None)
-        self.sock.sendall(_encode({"op": "hello", "process_id": group.process_id, "token": leader["token"]}, {}))
+        self.sock.sendall(encode({"op": "hello", "process_id": group.process_id, "token": leader["token"]}, {}))
         log.info("follower %d connected to the leader at %s", group.process_id, leader["address"])
 
     def await_load(self) -> None:

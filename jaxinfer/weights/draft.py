@@ -2,7 +2,8 @@
 
 Such a truncated (layer-skip) draft shares the target's vocabulary and tokenizer by construction;
 it agrees with the target often enough to be a starting point, and `tools/train_draft.py`
-distills it further. It is saved as a native orbax checkpoint, loadable as `draft_model`.
+distills it further. It is saved as a native orbax checkpoint, loadable as `draft_model`, without
+the embedding it shares with the target.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from jaxinfer.weights import orbax_io
 from jaxinfer.weights.loader import parameters
 
 LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+SHARED_PREFIX = "model.embed_tokens."  # kept frozen in training, so identical to the target's
 
 
 def truncated_weights(model: LlamaForCausalLM, cfg: ModelConfig, num_layers: int
@@ -35,6 +37,11 @@ def truncated_weights(model: LlamaForCausalLM, cfg: ModelConfig, num_layers: int
     return dataclasses.replace(cfg, num_layers=num_layers), weights
 
 
-def save_draft(folder: Path, cfg: ModelConfig, weights: dict[str, np.ndarray], source: str) -> None:
-    dtype = str(next(iter(weights.values())).dtype)
-    orbax_io.save(folder, cfg, weights, dtype=dtype, source=source)
+def save_draft(folder: Path, cfg: ModelConfig, weights: dict[str, np.ndarray], source: str,
+               dtype: str | None = None, share_embedding: bool = True) -> None:
+    """Saves a draft; with `share_embedding` its (frozen) embedding is left out and taken from the
+    target at load time, which is most of a small draft's bytes (SmolLM2: 28M of 35M parameters)."""
+    shared = tuple(name for name in weights if name.startswith(SHARED_PREFIX)) if share_embedding else ()
+    kept = {name: w.astype(dtype) if dtype else w for name, w in weights.items() if name not in shared}
+    orbax_io.save(folder, cfg, kept, dtype=dtype or str(next(iter(kept.values())).dtype), source=source,
+                  from_target=shared)

@@ -7,8 +7,9 @@ so at most one host copy of one tensor exists at a time.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,8 +99,11 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     backend: AttentionBackend | None = None,
     gguf_file: GGUFCheckpoint | None = None,
+    target: LlamaForCausalLM | None = None,
 ) -> LoadedModel:
-    """Loads a registry name or path; pass an already opened `gguf_file` to avoid reading it twice."""
+    """Loads a registry name or path; pass an already opened `gguf_file` to avoid reading it twice.
+
+    `target`: the model a draft is loaded for; a draft checkpoint may take tensors from it."""
     checkpoint = name_or_path if isinstance(name_or_path, ResolvedCheckpoint) else resolve(name_or_path)
     source = str(checkpoint.path)
     if checkpoint.kind == "gguf":
@@ -113,7 +117,13 @@ def load_model(
     else:
         cfg = orbax_io.read_config(checkpoint.path)
         model = abstract_model(cfg, dtype, backend)
-        tensors = orbax_io.restore_tensors(checkpoint.path, parameters(model), mesh)
+        shared = orbax_io.from_target(checkpoint.path)
+        if shared and target is None:
+            raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
+                                  "it as engine.draft_model of that target")
+        stored = {name: param for name, param in parameters(model).items() if name not in shared}
+        tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, stored, mesh),
+                                  _target_tensors(shared, target, source))
         return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
     model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source, names)
     return LoadedModel(cfg, model, checkpoint)
@@ -130,6 +140,15 @@ def place_copy(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
         return jax.device_put(value, NamedSharding(mesh, spec))
 
     return nnx.merge(graphdef, jax.tree.map(move, state))
+
+
+def _target_tensors(names: list[str], target: LlamaForCausalLM | None, source: str
+                    ) -> Iterator[tuple[str, str, jax.Array]]:
+    params = parameters(target) if names else {}
+    for name in names:
+        if name not in params:
+            raise CheckpointError(f"{source}: the target model has no {name} to share")
+        yield name, f"{name} (from the target)", params[name].get_value()
 
 
 def random_model(

@@ -7,6 +7,8 @@ Layout of a checkpoint folder:
   state/             orbax PyTree checkpoint of {engine parameter name: array}
 
 Restore places each array directly with its target sharding, so every host reads only its shards.
+A draft model's checkpoint may leave out tensors it shares with its target (`from_target` in the
+marker, e.g. the embedding): they are taken from the target when the draft is loaded.
 """
 
 from __future__ import annotations
@@ -37,8 +39,10 @@ def _flat_key(name: str) -> str:
 
 
 def save(folder: Path, cfg: ModelConfig, params: dict[str, nnx.Param | np.ndarray | jax.Array], *, dtype: str,
-         source: str) -> None:
-    """Writes the weights (parameters or plain arrays, by engine name) and the metadata marker last."""
+         source: str, from_target: tuple[str, ...] = ()) -> None:
+    """Writes the weights (parameters or plain arrays, by engine name) and the metadata marker last.
+
+    `from_target`: parameters left out because a draft takes them from its target at load time."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {_flat_key(name): p.get_value() if isinstance(p, nnx.Param) else p for name, p in params.items()}
@@ -46,6 +50,8 @@ def save(folder: Path, cfg: ModelConfig, params: dict[str, nnx.Param | np.ndarra
     checkpointer.save((folder / "state").absolute(), state, force=True)
     checkpointer.wait_until_finished()
     meta = {"format": FORMAT, "version": VERSION, "model_config": cfg.to_dict(), "dtype": dtype, "source": source}
+    if from_target:
+        meta["from_target"] = list(from_target)
     tmp = folder / (ORBAX_MARKER + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(folder / ORBAX_MARKER)  # the marker appears last: a half-written folder is not a checkpoint
@@ -63,6 +69,11 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 def read_config(folder: Path) -> ModelConfig:
     return ModelConfig.from_dict(read_meta(folder)["model_config"])
+
+
+def from_target(folder: Path) -> list[str]:
+    """Parameters the checkpoint does not hold: a draft takes them from its target model."""
+    return list(read_meta(folder).get("from_target", []))
 
 
 def restore_tensors(
