@@ -147,11 +147,12 @@ def to_request(llm, job: Job) -> Request | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from jaxinfer.llm import LLM
+    from jaxinfer.llm import LLM, check_group_settings
 
     defaults = default_params(args)
     SamplingParams(**defaults)  # a bad command-line value fails before the model loads
     group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
+    check_group_settings(load_engine_config(args.config, **_engine_overrides(args)), group)
     channel = connect(group)
     if isinstance(channel, Follower):  # replays the leader's steps; reads and writes nothing
         try:

@@ -69,6 +69,14 @@ def check_multi_process(cfg: EngineConfig) -> None:
 SINGLE_REPLICA_ONLY = ("draft_model", "kv_host_pages", "kv_store")
 
 
+def check_group_settings(cfg: EngineConfig, group: ProcessGroup) -> None:
+    """What a process group cannot run, refused on every process before it joins the control channel
+    (so each reports the real error, not a lost peer)."""
+    if group.distributed:
+        check_multi_process(cfg)
+    make_group_mesh(cfg, group)
+
+
 def make_group_mesh(cfg: EngineConfig, group: ProcessGroup):
     """The ('data', 'model') mesh: with mesh_data > 1 each data row is one replica of the model."""
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
@@ -97,8 +105,7 @@ class LLM:
         cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
         self.config = cfg = cfg.replace(**overrides) if overrides else cfg
         self.group = initialize(process_group or ProcessGroup())
-        if self.group.distributed:
-            check_multi_process(cfg)
+        check_group_settings(cfg, self.group)
         # Joined before loading, so a process lost (or failing) while loading stops the whole group.
         channel = lockstep if lockstep is not None else connect(self.group)
         self.leader = channel if isinstance(channel, Leader) else None
@@ -171,9 +178,11 @@ class LLM:
         return self.follower.serve(self.runner.replay)
 
     def close(self) -> None:
-        """Stops the followers (leader of a process group); nothing otherwise."""
+        """Leaves the process group: a leader stops its followers, a follower's leader sees it go."""
         if self.leader is not None:
             self.leader.stop()
+        if self.follower is not None:
+            self.follower.close()
 
     def _kv_tiers(self, checkpoint: ResolvedCheckpoint) -> TieredPages | None:
         """L2/L3 for evicted prefix pages, from `kv_host_pages` and `kv_store` (None when both are off)."""

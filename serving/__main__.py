@@ -11,9 +11,9 @@ import signal
 import sys
 
 from jaxinfer.errors import JaxinferError
-from jaxinfer.llm import LLM
+from jaxinfer.llm import LLM, check_group_settings
 from jaxinfer.parallel.distributed import ProcessGroup, initialize
-from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
+from jaxinfer.parallel.lockstep import Follower, Leader, LeaderStopped, connect
 from serving.server import InferenceServer, load_configs
 
 
@@ -38,10 +38,22 @@ async def serve(args: argparse.Namespace) -> None:
     logging.getLogger(__name__).info("settings %s", json.dumps(
         {"serve": dataclasses.asdict(config), "engine": dataclasses.asdict(engine_config)}))
     group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
-    channel = connect(group)
+    check_group_settings(engine_config, group)
+    channel = await asyncio.to_thread(connect, group)
     if isinstance(channel, Follower):
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a follower ends when its leader says so (or is lost)
+            signal.signal(sig, signal.SIG_IGN)
         await asyncio.to_thread(follow, config.model, engine_config, group, channel)
         return
+    try:
+        await serve_as_leader(config, engine_config, group, channel)
+    finally:
+        if channel is not None:
+            channel.stop()
+
+
+async def serve_as_leader(config, engine_config, group: ProcessGroup, channel: Leader | None) -> None:
+    """The gRPC server (process 0 of a group, or the only process) until SIGTERM or SIGINT."""
     server = InferenceServer(config, engine_config, process_group=group, lockstep=channel)
     port = await server.start()
     print(json.dumps({"event": "listening", "host": config.host, "port": port,

@@ -301,3 +301,12 @@ def test_control_frames_round_trip_without_pickle():
         left.sendall(encode({"op": "step"}, arrays)[:12])
         left.close()
         assert receive(right) is None  # a frame cut short is the end of the channel
+    frame = bytearray(encode({"op": "step"}, {"tokens": arrays["tokens"]}))
+    frame[4:8] = (int.from_bytes(frame[4:8], "big") + 4).to_bytes(4, "big")
+    for data, limit, message in ((encode({"op": "hello", "pad": "x" * 5000}, {}), 4096, "exceeds 4096 bytes"),
+                                 (bytes(frame) + bytes(4), None, "payload is longer than its arrays")):
+        left, right = socket.socketpair()  # the leader closes a connection whose frame it refuses
+        with left, right:
+            left.sendall(data)
+            with pytest.raises(ValueError, match=message):
+                receive(right, limit=limit)

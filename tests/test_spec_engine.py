@@ -5,6 +5,7 @@ pages given back, per-request switch, confidence pruning, stop strings, cancella
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,18 @@ def test_a_draft_takes_its_embedding_from_the_target(draft_folder):
     assert meta["from_target"] == ["model.embed_tokens.weight"]
     stored = sum(f.stat().st_size for f in (draft_folder / "state").rglob("*") if f.is_file())
     assert stored < 40e6  # two float32 layers (28 MB); the embedding alone would add 113 MB
-    with pytest.raises(CheckpointError, match="takes model.embed_tokens.weight from its target model; load it "
-                                              "as engine.draft_model"):
+    with pytest.raises(CheckpointError, match=re.escape("takes model.embed_tokens.weight from its target model; "
+                                                        "load it as engine.draft_model")):
         LLM(str(draft_folder), **TEST_ENGINE)
+
+
+def test_the_shipped_draft_gives_the_same_greedy_output(smollm2_llm):
+    shipped = LLM("smollm2-135m", **TEST_ENGINE, draft_model="smollm2-135m-draft", num_draft_tokens=2)
+    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS, GREEDY)]
+    assert [o.token_ids for o in shipped.generate_chat(CHATS, GREEDY)] == expected
+    proposed, accepted = spec_stats(shipped)
+    assert proposed > 0 and accepted / proposed > 0.2  # the distilled draft agrees often (2 layers of 30)
+    assert shipped.engine.pool.num_free == shipped.engine.pool.capacity
 
 
 def spec_stats(llm: LLM) -> tuple[int, int]:

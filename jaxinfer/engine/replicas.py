@@ -16,6 +16,7 @@ from dataclasses import fields
 
 from jaxinfer.engine.adapters import AdapterInfo, ReadAdapter
 from jaxinfer.engine.engine import Engine, run_to_completion
+from jaxinfer.engine.executor import tenant_of
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.sequence import Sequence
@@ -35,7 +36,7 @@ class ReplicaSet:
     def route(self, request: Request) -> Engine:
         session = request.params.exec_session if request.params.exec else ""
         if session:
-            digest = hashlib.sha256(f"{request.tenant}\x00{session}".encode()).digest()
+            digest = hashlib.sha256(f"{tenant_of(request)}\x00{session}".encode()).digest()
             return self.engines[int.from_bytes(digest[:4], "big") % len(self.engines)]
         return max(self.engines, key=lambda engine: (self._cached_pages(engine, request), -self._load(engine)))
 

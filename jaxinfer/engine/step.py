@@ -304,8 +304,17 @@ class ModelRunner:
         executable = self._executable(batch.num_tokens)
         self.copy_evicted_pages()
         number, self._dispatched = self._dispatched, self._dispatched + 1
-        if self.lockstep is not None:
-            self.lockstep.step(number, previous.number if previous is not None else -1, batch.arrays())
+        if self.lockstep is None:
+            return self._launch(batch, previous, executable, number)
+        self.lockstep.step(number, previous.number if previous is not None else -1, batch.arrays())
+        try:
+            return self._launch(batch, previous, executable, number)
+        except BaseException as error:  # the followers run this step: the leader must too, or the group ends
+            self.lockstep.diverged(error)
+            raise
+
+    def _launch(self, batch: HostBatch, previous: StepResult | None, executable: jax.stages.Compiled,
+                number: int) -> StepResult:
         inputs = jax.device_put(batch.to_inputs(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
         outputs = executable(self.state, self.caches, prev_tokens, inputs, *self._exec_args())

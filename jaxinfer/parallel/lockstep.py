@@ -18,6 +18,7 @@ bytes back to back, described by the header (name, dtype, shape). No pickle cros
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -43,8 +44,11 @@ ENV_CONTROL_HOST = "JAXINFER_CONTROL_HOST"
 ENV_CONTROL_PORT = "JAXINFER_CONTROL_PORT"
 FOLLOWER_LOST_EXIT = 3  # the leader's exit status when a follower goes away
 LEADER_LOST_EXIT = 4  # a follower's exit status when the leader goes away without `stop`
+DIVERGED_EXIT = 5  # the leader's exit status when it failed to run a step it had sent
+HELLO_LIMIT = 4096  # bytes of a follower's hello: anything larger is not one
 KEPT_RESULTS = 8  # a follower keeps this many recent steps' sampled ids (later steps may read them)
 _FRAME = struct.Struct(">II")
+_connections = 0
 
 
 class LeaderLost(JaxinferError):
@@ -53,6 +57,27 @@ class LeaderLost(JaxinferError):
 
 class LeaderStopped(JaxinferError):
     """The leader stopped before the model was loaded (nothing to replay)."""
+
+
+class GroupStopped(JaxinferError):
+    """A step was asked of a leader whose group has already stopped."""
+
+
+def _address_key() -> str:
+    """A key per connection: every process connects the same number of times, in the same order."""
+    global _connections
+    _connections += 1
+    return f"{ADDRESS_KEY}/{_connections}"
+
+
+def coordinator_host(group: ProcessGroup) -> str:
+    """The leader's address as the group reaches it: the coordinator's host (process 0 runs it)."""
+    if group.coordinator_host:
+        return group.coordinator_host
+    from jax._src import distributed
+
+    address = distributed.global_state.coordinator_address or ""
+    return address.rpartition(":")[0].strip("[]") or socket.gethostbyname(socket.gethostname())
 
 
 def encode(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
@@ -73,12 +98,15 @@ def _receive_exactly(sock: socket.socket, size: int) -> bytes | None:
     return b"".join(chunks)
 
 
-def receive(sock: socket.socket) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
-    """One frame: (header, arrays), or None at end of file."""
+def receive(sock: socket.socket, limit: int | None = None) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """One frame: (header, arrays), or None at end of file. ValueError: a frame over `limit` bytes,
+    or arrays that do not add up to the payload."""
     prefix = _receive_exactly(sock, _FRAME.size)
     if prefix is None:
         return None
     head_size, payload_size = _FRAME.unpack(prefix)
+    if limit is not None and head_size + payload_size > limit:
+        raise ValueError(f"control channel: a {head_size + payload_size}-byte frame exceeds {limit} bytes")
     head, payload = _receive_exactly(sock, head_size), _receive_exactly(sock, payload_size)
     if head is None or payload is None:
         return None
@@ -89,8 +117,12 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], dict[str, np.ndarray]]
         if dtype.hasobject:
             raise ValueError(f"control channel: array {name} has an object dtype")
         size = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        if offset + size > len(payload):
+            raise ValueError(f"control channel: array {name} runs past the payload")
         arrays[name] = np.frombuffer(payload, dtype, count=size // dtype.itemsize, offset=offset).reshape(shape)
         offset += size
+    if offset != len(payload):
+        raise ValueError("control channel: the payload is longer than its arrays")
     return header, arrays
 
 
@@ -111,14 +143,18 @@ class Leader:
         self.on_follower_lost = on_follower_lost or (lambda message: _exit_now(message, FOLLOWER_LOST_EXIT))
         self._lock = threading.Lock()
         token = secrets.token_hex(16)
-        listener = socket.create_server(("", int(os.environ.get(ENV_CONTROL_PORT, "0"))))
-        host = os.environ.get(ENV_CONTROL_HOST) or group.coordinator_host or socket.gethostbyname(socket.gethostname())
+        port = int(os.environ.get(ENV_CONTROL_PORT, "0"))
+        dual = socket.has_dualstack_ipv6()
+        listener = socket.create_server(("", port), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                        dualstack_ipv6=dual)
+        host = os.environ.get(ENV_CONTROL_HOST) or coordinator_host(group)
         address = f"{host}:{listener.getsockname()[1]}"
-        key_value_store().key_value_set(ADDRESS_KEY, json.dumps({"address": address, "token": token}))
+        key_value_store().key_value_set(_address_key(), json.dumps({"address": address, "token": token}))
         try:
             self.followers = self._accept(listener, token, accept_timeout)
         finally:
             listener.close()
+        atexit.register(self.stop)  # runs before JAX's own exit-time shutdown, which waits for every process
         for process_id, sock in self.followers.items():
             threading.Thread(target=self._watch, args=(process_id, sock), daemon=True,
                              name=f"lockstep-watch-{process_id}").start()
@@ -135,11 +171,16 @@ class Leader:
             except TimeoutError:
                 missing = sorted(expected - set(followers))
                 raise ConfigError(f"followers {missing} did not connect within {timeout:.0f}s") from None
-            sock.settimeout(30.0)
-            hello = receive(sock)
-            header = hello[0] if hello else {}
-            process_id = header.get("process_id")
-            if header.get("token") != token or process_id not in expected or process_id in followers:
+            sock.settimeout(max(0.1, min(30.0, deadline - time.monotonic())))
+            try:
+                hello = receive(sock, limit=HELLO_LIMIT)
+                header = hello[0] if hello else {}
+                process_id = header.get("process_id")
+                accepted = (header.get("token") == token and isinstance(process_id, int) and process_id in expected
+                            and process_id not in followers)
+            except (OSError, ValueError, TypeError, AttributeError):  # a probe, a reset, a malformed hello
+                accepted = False
+            if not accepted:
                 log.warning("control channel: refused a connection from %s", peer)
                 sock.close()
                 continue
@@ -172,14 +213,22 @@ class Leader:
 
     def step(self, number: int, previous: int, arrays: dict[str, np.ndarray]) -> None:
         """Sends step `number` (its inputs; `previous`: the step whose sampled ids it reads, -1: none)."""
+        if self.stopping:  # the followers are gone: a step run alone would wait for them forever
+            raise GroupStopped("the process group has stopped; no step can run")
         self._send(encode({"op": "step", "number": number, "previous": previous}, arrays))
 
+    def diverged(self, error: BaseException) -> None:
+        """The leader failed to launch a step it had sent: the followers ran it alone, so the group's
+        collectives no longer pair up. Nothing can continue."""
+        _exit_now(f"the leader could not run a step its followers ran ({error!r}); the group stops", DIVERGED_EXIT)
+
     def stop(self) -> None:
-        """Tells every follower to exit; safe to call twice."""
+        """Tells every follower to exit; safe to call twice. Followers close their end on `stop`, so
+        `stopping` is set first: a close seen while sending to the others is not a lost follower."""
         if self.stopping:
             return
-        self._send(encode({"op": "stop"}, {}))
         self.stopping = True
+        self._send(encode({"op": "stop"}, {}))
         for sock in self.followers.values():
             sock.close()
 
@@ -191,13 +240,17 @@ class Follower:
                  on_leader_lost: Callable[[str], None] | None = None):
         self.group = group
         self.on_leader_lost = on_leader_lost or (lambda message: _exit_now(message, LEADER_LOST_EXIT))
-        record = key_value_store().blocking_key_value_get(ADDRESS_KEY, int(timeout * 1000))
+        record = key_value_store().blocking_key_value_get(_address_key(), int(timeout * 1000))
         leader = json.loads(record)
         host, _, port = leader["address"].rpartition(":")
         self.sock = socket.create_connection((host, int(port)), timeout=timeout)
         self.sock.settimeout(None)
         self.sock.sendall(encode({"op": "hello", "process_id": group.process_id, "token": leader["token"]}, {}))
         log.info("follower %d connected to the leader at %s", group.process_id, leader["address"])
+
+    def close(self) -> None:
+        """Leaves the group (a follower that failed): the leader sees end-of-file and stops."""
+        self.sock.close()
 
     def await_load(self) -> None:
         """Waits until the leader loads the model; raises LeaderStopped if it stops first."""

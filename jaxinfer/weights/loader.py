@@ -148,7 +148,10 @@ def _target_tensors(names: list[str], target: LlamaForCausalLM | None, source: s
     for name in names:
         if name not in params:
             raise CheckpointError(f"{source}: the target model has no {name} to share")
-        yield name, f"{name} (from the target)", params[name].get_value()
+        value = params[name].get_value()
+        if name.endswith("embed_tokens.weight") and value.shape[0] > target.base_vocab_size:
+            value = value[: target.base_vocab_size]  # rows the target added later (control tokens) are its own
+        yield name, f"{name} (from the target)", value
 
 
 def random_model(
