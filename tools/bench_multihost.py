@@ -33,7 +33,7 @@ def emit(record: dict) -> None:
 def bench_control(args: argparse.Namespace) -> None:
     from jaxinfer.config import load_engine_config
     from jaxinfer.engine.step import ModelRunner
-    from jaxinfer.parallel.lockstep import encode
+    from jaxinfer.parallel.lockstep import encode, pack_step
     from jaxinfer.weights.gguf_file import GGUFCheckpoint
     from jaxinfer.weights.registry import resolve
 
@@ -43,29 +43,33 @@ def bench_control(args: argparse.Namespace) -> None:
         runner = ModelRunner.__new__(ModelRunner)  # only empty_batch: no weights or device state needed
         runner.cfg, runner.max_pages_per_seq = cfg, cfg.max_pages_per_seq(model_cfg)
         for bucket in sorted({cfg.token_buckets[0], min(cfg.max_seqs, cfg.token_buckets[-1]), cfg.token_buckets[-1]}):
-            arrays = runner.empty_batch(bucket).arrays()
-            frame = encode({"op": "step", "number": 1, "previous": 0}, arrays)
+            batch = runner.empty_batch(bucket)
+            context_pages = min(-(-args.context // cfg.page_size), runner.max_pages_per_seq)
+            rng = np.random.default_rng(0)  # every row `--context` tokens long, on random pages
+            batch.page_table[:, :context_pages] = rng.integers(1, cfg.num_pages, (len(batch.page_table), context_pages))
+            arrays = batch.arrays()
             emit(dict(what="lockstep_frame", config=config, bucket=bucket, rows=runner.rows_for(bucket),
-                      pages_per_row=runner.max_pages_per_seq, bytes=len(frame),
+                      context=args.context, pages_per_row=runner.max_pages_per_seq,
+                      bytes=len(pack_step(1, 0, arrays)), full_table_bytes=len(encode({}, arrays)),
                       us_per_step=round(_round_trip_us(arrays, args.steps), 1)))
 
 
 def _round_trip_us(arrays: dict[str, np.ndarray], steps: int) -> float:
-    """Leader encodes and sends; a follower thread receives and decodes: mean time per frame."""
-    from jaxinfer.parallel.lockstep import encode, receive
+    """Leader packs and sends; a follower thread receives and unpacks: mean time per frame."""
+    from jaxinfer.parallel.lockstep import pack_step, receive, unpack_step
 
     left, right = socket.socketpair()
     done = threading.Event()
 
     def follower() -> None:
         for _ in range(steps):
-            receive(right)
+            unpack_step(*receive(right))
         done.set()
 
     threading.Thread(target=follower, daemon=True).start()
     start = time.perf_counter()
     for number in range(steps):
-        left.sendall(encode({"op": "step", "number": number, "previous": number - 1}, arrays))
+        left.sendall(pack_step(number, number - 1, arrays))
     done.wait()
     seconds = time.perf_counter() - start
     left.close()
@@ -114,6 +118,7 @@ def main() -> None:
     sub = p.add_subparsers(dest="workload", required=True)
     control = sub.add_parser("control")
     control.add_argument("--steps", type=int, default=2000)
+    control.add_argument("--context", type=int, default=2048, help="tokens per row (the page table's used width)")
     replicas = sub.add_parser("replicas")
     replicas.add_argument("--requests", type=int, default=16)
     replicas.add_argument("--in-len", type=int, default=64)

@@ -13,7 +13,8 @@ wait for that follower forever. The leader publishes its address and a one-time 
 coordination service's key-value store, so only members of the group can connect.
 
 Frames: 8 bytes (header length, payload length, big-endian), a JSON header, then the arrays' raw
-bytes back to back, described by the header (name, dtype, shape). No pickle crosses the wire.
+bytes back to back, described by the header (name, dtype, shape). No pickle crosses the wire. A
+step's page table goes without its trailing zero columns (`pack_step`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,23 @@ def encode(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> bytes:
     head = json.dumps(header).encode()
     payload = b"".join(np.ascontiguousarray(a).tobytes() for a in arrays.values())
     return _FRAME.pack(len(head), len(payload)) + head + payload
+
+
+def pack_step(number: int, previous: int, arrays: dict[str, np.ndarray]) -> bytes:
+    """A step's frame. The page table's trailing all-zero columns (pages no row has reached: most of
+    a max_model_len-wide table) are left out and restored by `unpack_step`."""
+    table = arrays["page_table"]
+    used = np.flatnonzero(table.any(axis=0))
+    width = int(used[-1]) + 1 if used.size else 0
+    header = {"op": "step", "number": number, "previous": previous, "page_table_width": table.shape[1]}
+    return encode(header, {**arrays, "page_table": table[:, :width]})
+
+
+def unpack_step(header: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    table = arrays["page_table"]
+    full = np.zeros((table.shape[0], header["page_table_width"]), table.dtype)
+    full[:, : table.shape[1]] = table
+    return {**arrays, "page_table": full}
 
 
 def _receive_exactly(sock: socket.socket, size: int) -> bytes | None:
@@ -215,7 +233,7 @@ class Leader:
         """Sends step `number` (its inputs; `previous`: the step whose sampled ids it reads, -1: none)."""
         if self.stopping:  # the followers are gone: a step run alone would wait for them forever
             raise GroupStopped("the process group has stopped; no step can run")
-        self._send(encode({"op": "step", "number": number, "previous": previous}, arrays))
+        self._send(pack_step(number, previous, arrays))
 
     def diverged(self, error: BaseException) -> None:
         """The leader failed to launch a step it had sent: the followers ran it alone, so the group's
@@ -284,7 +302,7 @@ class Follower:
             number, previous = header["number"], header["previous"]
             if previous >= 0 and previous not in results:
                 raise LeaderLost(f"step {number} reads step {previous}, which this follower no longer keeps")
-            results[number] = dispatch(arrays, results.get(previous))
+            results[number] = dispatch(unpack_step(header, arrays), results.get(previous))
             results.pop(number - KEPT_RESULTS, None)
             replayed += 1
 
