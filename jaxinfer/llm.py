@@ -53,8 +53,9 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-# Settings whose device work happens outside the step: not replayed by followers yet.
-SINGLE_PROCESS_ONLY = ("exec_slots", "max_adapters", "draft_model", "kv_host_pages", "kv_store")
+# Settings whose device work happens outside the step and is not replayed by followers (yet); adapter
+# loads and unloads are (`ModelRunner.replay_call`).
+SINGLE_PROCESS_ONLY = ("exec_slots", "draft_model", "kv_host_pages", "kv_store")
 
 
 def check_multi_process(cfg: EngineConfig) -> None:
@@ -152,7 +153,10 @@ class LLM:
             self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
         self.engine = self.new_engine(tiers=self._kv_tiers(checkpoint))
         for spec in cfg.adapters:  # engine.adapters: "NAME" or "NAME=PATH", loaded before any request
-            self.load_adapter(*parse_adapter_spec(spec))
+            if self.follower is not None:  # the leader reads it and sends the checked tensors, in order
+                self.follower.replay_next_call(self.runner.replay_call)
+            else:
+                self.load_adapter(*parse_adapter_spec(spec))
         self.warmup_seconds = sum(runner.warmup() for runner in self.runners) if cfg.warmup else 0.0
         log.info("loaded %s in %.1fs, warm-up %.1fs", checkpoint.name, self.load_seconds, self.warmup_seconds)
 
@@ -175,7 +179,7 @@ class LLM:
         """A follower's main loop: replays the leader's steps until it stops; returns how many ran."""
         if self.follower is None:
             raise ConfigError("serve_follower: this process is not a follower (process id 0 or one process)")
-        return self.follower.serve(self.runner.replay)
+        return self.follower.serve(self.runner.replay, self.runner.replay_call)
 
     def close(self) -> None:
         """Leaves the process group: a leader stops its followers, a follower's leader sees it go."""

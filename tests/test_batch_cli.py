@@ -91,11 +91,11 @@ def workdir(tmp_path_factory) -> Path:
     return root
 
 
-def write_random_adapter(folder: Path) -> None:
+def write_random_adapter(folder: Path, seed: int = 0) -> None:
     """Rank-4 LoRA on every layer's q and down projections, strong enough to change greedy text."""
     from jaxinfer.weights.adapter_file import lora_name, save_adapter
 
-    rng, tensors = np.random.default_rng(0), {}
+    rng, tensors = np.random.default_rng(seed), {}
     for layer in range(30):
         for module, (fan_in, fan_out) in {"self_attn.q_proj": (576, 576), "mlp.down_proj": (1536, 576)}.items():
             name = f"model.layers.{layer}.{module}"

@@ -1,5 +1,6 @@
 """Multi-host serving on the CPU with real processes: two processes of 4 CPU devices each (gloo
-collectives, coordinator on 127.0.0.1) run one model sharded over all 8 devices in lockstep.
+collectives, coordinator on 127.0.0.1) run one model sharded over all 8 devices in lockstep, with
+LoRA adapters the leader reads and sends to the follower.
 
 Also: a sharded orbax checkpoint saved from one layout restores into other mesh shapes, a leader
 that stops takes its followers with it, and a lost process stops the group with a clear error.
@@ -29,12 +30,18 @@ num_pages = 256
 page_size = 8
 compile_guard = "raise"
 """
+ADAPTER_LINES = """max_adapters = 2
+adapters = ["preloaded={preloaded}"]
+"""
 LINES = [
     {"id": "capital", "prompt": "What is the capital of France?", "max_tokens": 12},
     {"id": "colors", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16},
     {"id": "count", "prompt": "1, 2, 3, 4,", "max_tokens": 20},
     {"id": "story", "messages": [{"role": "user", "content": "Tell me a very long story about a fox."}],
      "max_tokens": 40},
+    {"id": "adapted-preloaded", "prompt": "1, 2, 3, 4,", "max_tokens": 16, "adapter": "preloaded"},
+    {"id": "adapted-line", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
+     "adapter": "{line_adapter}"},
 ]
 
 
@@ -51,9 +58,15 @@ def cpu_env(devices: int) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     """The engine config, the input lines, and SmolLM2 converted to orbax sharded over 2 devices."""
+    from test_batch_cli import write_random_adapter
+
     root = tmp_path_factory.mktemp("multihost")
-    (root / "engine.toml").write_text(ENGINE_TOML)
-    (root / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    write_random_adapter(root / "lora-preloaded", seed=0)  # engine.adapters: loaded while the group loads
+    write_random_adapter(root / "lora-line", seed=1)  # named by a line: loaded by the batch runner later
+    (root / "engine.toml").write_text(ENGINE_TOML + ADAPTER_LINES.format(preloaded=root / "lora-preloaded"))
+    lines = [{**line, "adapter": str(root / "lora-line")} if line.get("adapter") == "{line_adapter}" else line
+             for line in LINES]
+    (root / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert.py"), "--model", "smollm2-135m",
                            "--output", str(root / "orbax"), "--mesh-model", "2"], env=cpu_env(2),
                           capture_output=True, text=True, timeout=600)
@@ -130,6 +143,10 @@ def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups)
     assert sorted(expected) == sorted(line["id"] for line in LINES)
     assert all(expected.values())
     assert token_ids(group.output) == expected
+    assert expected["adapted-preloaded"] != expected["count"][:16]  # the adapters changed the text
+    assert expected["adapted-line"] != expected["colors"]
+    follower_log = group.log(1)  # the follower wrote both adapters from the tensors the leader sent
+    assert "loaded adapter preloaded" in follower_log and f"loaded adapter {workdir / 'lora-line'}" in follower_log
 
 
 RESTORE_CHILD = r"""

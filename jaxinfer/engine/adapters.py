@@ -63,6 +63,12 @@ class AdapterSlots:
     def load(self, name: str, source: str | os.PathLike = "", read: ReadAdapter | None = None) -> AdapterInfo:
         """Loads `source` (a registry name or folder; default: `name` itself) as `name` into a free slot;
         `read` is the adapter already read by `read_adapter_source` (off the engine thread)."""
+        return self.install(*self.prepare(name, source, read))
+
+    def prepare(self, name: str, source: str | os.PathLike = "", read: ReadAdapter | None = None
+                ) -> tuple[str, int, Path, AdapterWeights]:
+        """Reads and checks an adapter and picks its slot, touching no device array (RequestError or
+        CheckpointError naming the problem): (name, slot, path, weights) for `install`."""
         if not name or len(name) > 128:
             raise RequestError("adapter name: 1 to 128 characters")
         if name in self.by_name:
@@ -73,15 +79,24 @@ class AdapterSlots:
                                f"unload one first")
         path, weights = read if read is not None else read_adapter_source(str(source or name))
         self._check(path, weights)
-        self._write(free[0], weights)
-        info = self.by_name[name] = AdapterInfo(name, str(path), free[0], weights.rank, weights.digest)
-        log.info("loaded adapter %s (rank %d) from %s into slot %d", name, weights.rank, path, free[0])
+        return name, free[0], path, weights
+
+    def install(self, name: str, slot: int, path: Path, weights: AdapterWeights) -> AdapterInfo:
+        """Writes a prepared adapter into its slot."""
+        self._write(slot, weights)
+        info = self.by_name[name] = AdapterInfo(name, str(path), slot, weights.rank, weights.digest)
+        log.info("loaded adapter %s (rank %d) from %s into slot %d", name, weights.rank, path, slot)
         return info
 
-    def unload(self, name: str) -> None:
+    def check_unload(self, name: str) -> AdapterInfo:
+        """The adapter to unload; RequestError while requests use it."""
         info = self.slot_of(name)
         if info.users:
             raise RequestError(f"adapter: {name!r} is in use by {info.users} request(s); unload it when they end")
+        return info
+
+    def unload(self, name: str) -> None:
+        info = self.check_unload(name)
         self._write(info.slot, None)
         del self.by_name[name]
 

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,7 @@ from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
 from jaxinfer.parallel import named_sharding
 from jaxinfer.parallel.lockstep import Leader
 from jaxinfer.processor.unit import ExecReport, ExecUnit
+from jaxinfer.weights.adapter_file import AdapterWeights
 
 log = logging.getLogger(__name__)
 
@@ -193,14 +195,48 @@ class ModelRunner:
 
     # -- LoRA adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str = "", read: ReadAdapter | None = None) -> AdapterInfo:
-        """Loads an adapter into a free slot (engine.max_adapters > 0); the step is not recompiled."""
-        info = self._adapter_slots().load(name, source, read)
+        """Loads an adapter into a free slot (engine.max_adapters > 0); the step is not recompiled.
+
+        In a process group the leader reads and checks it, then sends the checked tensors: followers
+        write the same slot without reading any file."""
+        name, slot, path, weights = self._adapter_slots().prepare(name, source, read)
+        fields, arrays = weights.to_arrays()
+        return self._replicated(lambda: self.install_adapter(name, slot, path, weights), "load_adapter",
+                                {"name": name, "slot": slot, "path": str(path), "weights": fields}, arrays)
+
+    def install_adapter(self, name: str, slot: int, path: Path, weights: AdapterWeights) -> AdapterInfo:
+        info = self._adapter_slots().install(name, slot, path, weights)
         self._refresh_state()
         return info
 
     def unload_adapter(self, name: str) -> None:
+        self._adapter_slots().check_unload(name)  # refused on the leader before anything is sent
+        self._replicated(lambda: self._unload(name), "unload_adapter", {"name": name})
+
+    def _unload(self, name: str) -> None:
         self._adapter_slots().unload(name)
         self._refresh_state()
+
+    def _replicated(self, apply, method: str, fields: dict, arrays: dict[str, np.ndarray] | None = None):
+        """Runs `apply` (device work outside the step) after sending it to the followers, if any."""
+        if self.lockstep is None:
+            return apply()
+        self.lockstep.call(method, fields, arrays or {})
+        try:
+            return apply()
+        except BaseException as error:  # the followers have applied it: the leader must too
+            self.lockstep.diverged(error)
+            raise
+
+    def replay_call(self, method: str, fields: dict, arrays: dict[str, np.ndarray]) -> None:
+        """A follower's copy of device work the leader did outside the step (adapter loads and unloads)."""
+        if method == "load_adapter":
+            weights = AdapterWeights.from_arrays(fields["weights"], arrays)
+            self.install_adapter(fields["name"], fields["slot"], Path(fields["path"]), weights)
+        elif method == "unload_adapter":
+            self._unload(fields["name"])
+        else:
+            raise ValueError(f"control channel: unknown call {method!r}")
 
     def _adapter_slots(self) -> AdapterSlots:
         if self.adapters is None:

@@ -235,6 +235,12 @@ class Leader:
             raise GroupStopped("the process group has stopped; no step can run")
         self._send(pack_step(number, previous, arrays))
 
+    def call(self, method: str, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """Sends device work done outside the step (an adapter load), replayed by `Follower.serve`'s `call`."""
+        if self.stopping:
+            raise GroupStopped("the process group has stopped")
+        self._send(encode({"op": "call", "method": method, "fields": fields}, arrays))
+
     def diverged(self, error: BaseException) -> None:
         """The leader failed to launch a step it had sent: the followers ran it alone, so the group's
         collectives no longer pair up. Nothing can continue."""
@@ -279,6 +285,16 @@ class Follower:
         if frame[0]["op"] != "load":
             raise LeaderLost(f"control channel: expected load, got {frame[0]['op']}")
 
+    def replay_next_call(self, call: Callable[[str, dict[str, Any], dict[str, np.ndarray]], None]) -> None:
+        """Replays the next message, which must be a call (the leader loading what its config names)."""
+        header, arrays = self._receive()
+        if header["op"] == "stop":
+            self.sock.close()
+            raise LeaderStopped("the leader stopped while loading")
+        if header["op"] != "call":
+            raise LeaderLost(f"control channel: expected a call, got {header['op']}")
+        call(header["method"], header["fields"], arrays)
+
     def _receive(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         frame = receive(self.sock)
         if frame is None:
@@ -287,10 +303,12 @@ class Follower:
             raise LeaderLost("the leader left the group")
         return frame
 
-    def serve(self, dispatch: Callable[[dict[str, np.ndarray], Any], Any]) -> int:
+    def serve(self, dispatch: Callable[[dict[str, np.ndarray], Any], Any],
+              call: Callable[[str, dict[str, Any], dict[str, np.ndarray]], None]) -> int:
         """Replays steps until `stop` and returns how many ran; at end of file the leader is lost.
 
-        `dispatch(arrays, previous_result)` launches one step and returns its result."""
+        `dispatch(arrays, previous_result)` launches one step and returns its result;
+        `call(method, fields, arrays)` replays device work the leader did between steps."""
         results: dict[int, Any] = {}
         replayed = 0
         log.info("follower %d replaying the leader's steps", self.group.process_id)
@@ -299,6 +317,9 @@ class Follower:
             if header["op"] == "stop":
                 self.sock.close()
                 return replayed
+            if header["op"] == "call":
+                call(header["method"], header["fields"], arrays)
+                continue
             number, previous = header["number"], header["previous"]
             if previous >= 0 and previous not in results:
                 raise LeaderLost(f"step {number} reads step {previous}, which this follower no longer keeps")

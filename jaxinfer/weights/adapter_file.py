@@ -51,6 +51,21 @@ class AdapterWeights:
         return {name.rsplit(".", 1)[1] for name in self.modules}
 
 
+    def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """(JSON-able fields, named arrays): the adapter as the multi-host control channel sends it."""
+        arrays = {f"{module}.{part}": matrix for module, pair in self.modules.items()
+                  for part, matrix in zip("AB", pair, strict=True)}
+        if self.token_rows is not None:
+            arrays["token_rows"] = self.token_rows
+        return {"rank": self.rank, "modules": list(self.modules), "token_ids": list(self.token_ids),
+                "digest": self.digest}, arrays
+
+    @classmethod
+    def from_arrays(cls, fields: dict, arrays: dict[str, np.ndarray]) -> AdapterWeights:
+        modules = {module: (arrays[f"{module}.A"], arrays[f"{module}.B"]) for module in fields["modules"]}
+        return cls(fields["rank"], modules, tuple(fields["token_ids"]), arrays.get("token_rows"), fields["digest"])
+
+
 def lora_name(module: str, part: str) -> str:
     """PEFT's tensor name of a module's A or B matrix."""
     return f"base_model.model.{module}.lora_{part}.weight"
