@@ -54,8 +54,8 @@ def resolve_dtype(name: str) -> jnp.dtype:
 
 
 # Settings whose device work happens outside the step and is not replayed by followers (yet); adapter
-# loads and unloads are (`ModelRunner.replay_call`).
-SINGLE_PROCESS_ONLY = ("exec_slots", "draft_model", "kv_host_pages", "kv_store")
+# loads and the processor's slot changes are (`ModelRunner.replay_call`).
+SINGLE_PROCESS_ONLY = ("draft_model", "kv_host_pages", "kv_store")
 
 
 def check_multi_process(cfg: EngineConfig) -> None:

@@ -256,3 +256,21 @@ def test_trainable_tokens_match_peft(hf_model, tmp_path, smollm2_llm):
         reference = peft_model(torch.tensor([ids])).logits[0].numpy()
     assert np.abs(ours[:, base_vocab:]).max() > 0.1 and not np.any(base[:, base_vocab:])  # rows come from the adapter
     np.testing.assert_allclose(ours, reference, atol=2e-3, rtol=0)
+
+
+def test_an_adapter_without_token_rows_loads_where_tokens_were_added(exec_llm, adapters):
+    """With the processor's control tokens added (their rows are per adapter slot), an adapter that
+    trains no token rows loads, applies, and unloads back to the base model."""
+    for info in exec_llm.list_adapters():  # its one slot may hold the exec adapter from another module
+        exec_llm.unload_adapter(info.name)
+    chat = [{"role": "user", "content": "Name a color."}]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True)
+    base = exec_llm.generate_chat(chat, greedy)[0]
+    exec_llm.load_adapter("plain", str(adapters / "a"))
+    try:
+        adapted = exec_llm.generate_chat(chat, greedy, adapter="plain")[0]
+    finally:
+        exec_llm.unload_adapter("plain")
+    assert np.abs(np.subtract(adapted.logprobs[:1], base.logprobs[:1])).max() > 1e-3  # same context: it applied
+    after = exec_llm.generate_chat(chat, greedy)[0]
+    assert after.token_ids == base.token_ids and np.allclose(after.logprobs, base.logprobs, atol=1e-4)

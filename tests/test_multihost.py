@@ -30,8 +30,9 @@ num_pages = 256
 page_size = 8
 compile_guard = "raise"
 """
-ADAPTER_LINES = """max_adapters = 2
-adapters = ["preloaded={preloaded}"]
+ADAPTER_LINES = """max_adapters = 3
+adapters = ["preloaded={preloaded}", "smollm2-135m-exec"]
+exec_slots = 2
 """
 LINES = [
     {"id": "capital", "prompt": "What is the capital of France?", "max_tokens": 12},
@@ -42,6 +43,8 @@ LINES = [
     {"id": "adapted-preloaded", "prompt": "1, 2, 3, 4,", "max_tokens": 16, "adapter": "preloaded"},
     {"id": "adapted-line", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
      "adapter": "{line_adapter}"},
+    {"id": "program", "messages": [{"role": "user", "content": "What is 48213 * 99817?"}], "max_tokens": 400,
+     "adapter": "smollm2-135m-exec", "exec": True},  # the exec adapter writes a program; the group runs it
 ]
 
 
@@ -145,6 +148,8 @@ def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups)
     assert token_ids(group.output) == expected
     assert expected["adapted-preloaded"] != expected["count"][:16]  # the adapters changed the text
     assert expected["adapted-line"] != expected["colors"]
+    answer = json.loads(next(line for line in group.output.read_text().splitlines() if '"program"' in line))
+    assert "<|result|>4812477021" in answer["text"], answer["text"]  # 48213 * 99817, run in lockstep
     follower_log = group.log(1)  # the follower wrote both adapters from the tensors the leader sent
     assert "loaded adapter preloaded" in follower_log and f"loaded adapter {workdir / 'lora-line'}" in follower_log
 
@@ -290,10 +295,10 @@ def test_settings_a_group_cannot_replay_are_refused():
     from jaxinfer.errors import ConfigError
     from jaxinfer.llm import check_multi_process
 
-    check_multi_process(EngineConfig())
-    with pytest.raises(ConfigError, match=r"engine.exec_slots is not supported with more than one process "
-                                          r"\(set engine.exec_slots, engine.kv_store off\)"):
-        check_multi_process(EngineConfig(exec_slots=2, kv_store="/tmp/kv"))
+    check_multi_process(EngineConfig(exec_slots=2, max_adapters=2))  # both replayed: allowed
+    with pytest.raises(ConfigError, match=r"engine.draft_model is not supported with more than one process "
+                                          r"\(set engine.draft_model, engine.kv_store off\)"):
+        check_multi_process(EngineConfig(draft_model="smollm2-135m", kv_store="/tmp/kv"))
 
 
 def test_control_frames_round_trip_without_pickle():

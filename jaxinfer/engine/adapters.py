@@ -148,8 +148,8 @@ class AdapterSlots:
         embed = self.model.model.embed_tokens
         if embed.added_rows is not None:
             rows = np.array(embed.weight[...][embed.added_start :], np.float32)
-            for token, row in zip(weights.token_ids if weights else (), weights.token_rows if weights else (),
-                                  strict=True):
+            ids = weights.token_ids if weights is not None else ()
+            for token, row in zip(ids, weights.token_rows if ids else (), strict=True):  # rows only with ids
                 rows[token - embed.added_start] = row
             _set_slot(embed.added_rows, slot, rows)
 

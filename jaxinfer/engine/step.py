@@ -167,6 +167,8 @@ class ModelRunner:
         self.no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self.replicated)
         self.exec_unit = (ExecUnit(cfg.exec_machine_shape, cfg.exec_steps_per_step, self.replicated)
                           if cfg.exec_slots else None)
+        if self.exec_unit is not None:  # its slot loads, resumes and stops reach followers like adapter loads
+            self.exec_unit.replicate = self._replicated
         exec_fn = self.exec_unit.step_function if self.exec_unit is not None else None
         self._jitted = jax.jit(functools.partial(_step, exec_fn=exec_fn), static_argnums=0,
                                donate_argnums=(2, 5) if exec_fn is not None else (2,))
@@ -229,12 +231,15 @@ class ModelRunner:
             raise
 
     def replay_call(self, method: str, fields: dict, arrays: dict[str, np.ndarray]) -> None:
-        """A follower's copy of device work the leader did outside the step (adapter loads and unloads)."""
+        """A follower's copy of device work the leader did outside the step (adapter loads and unloads,
+        the processor's slot loads, resumes, stops and machine-only steps)."""
         if method == "load_adapter":
             weights = AdapterWeights.from_arrays(fields["weights"], arrays)
             self.install_adapter(fields["name"], fields["slot"], Path(fields["path"]), weights)
         elif method == "unload_adapter":
             self._unload(fields["name"])
+        elif method.startswith("exec_") and self.exec_unit is not None:
+            self.exec_unit.apply_call(method, fields, arrays)
         else:
             raise ValueError(f"control channel: unknown call {method!r}")
 

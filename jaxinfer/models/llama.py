@@ -13,12 +13,24 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
 from jaxinfer.layers.basic import Embed, Linear, RMSNorm
 from jaxinfer.layers.lora import ZerosFn, slot_one_hot
 from jaxinfer.layers.rope import apply_rope, inverse_frequencies
+from jaxinfer.parallel.mesh import named_sharding
+
+
+def _pad_param(param: nnx.Param, pad: tuple[tuple[int, int], ...]) -> None:
+    """Pads a parameter with zeros, resharded for its new shape (the mesh axis may no longer divide it)."""
+    value = param[...]
+    grown = jnp.pad(value, pad)
+    sharding = value.sharding
+    if isinstance(sharding, NamedSharding):
+        sharding = named_sharding(grown.shape, param.logical_axes, sharding.mesh)
+    param.set_value(jax.device_put(grown, sharding))
 
 
 class KVCache(NamedTuple):
@@ -143,11 +155,9 @@ class LlamaForCausalLM(nnx.Module):
         grow = size - self.config.vocab_size
         if grow <= 0:
             return
-        table = self.model.embed_tokens.weight
-        table.set_value(jax.device_put(jnp.pad(table[...], ((0, grow), (0, 0))), table[...].sharding))
+        _pad_param(self.model.embed_tokens.weight, ((0, grow), (0, 0)))
         if self.lm_head is not None:
-            kernel = self.lm_head.kernel
-            kernel.set_value(jax.device_put(jnp.pad(kernel[...], ((0, 0), (0, grow))), kernel[...].sharding))
+            _pad_param(self.lm_head.kernel, ((0, 0), (0, grow)))
         self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def adaptable_linears(self, targets: tuple[str, ...]) -> dict[str, Linear]:

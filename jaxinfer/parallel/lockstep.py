@@ -244,7 +244,8 @@ class Leader:
     def diverged(self, error: BaseException) -> None:
         """The leader failed to launch a step it had sent: the followers ran it alone, so the group's
         collectives no longer pair up. Nothing can continue."""
-        _exit_now(f"the leader could not run a step its followers ran ({error!r}); the group stops", DIVERGED_EXIT)
+        log.critical("the leader failed after sending work to its followers", exc_info=error)
+        _exit_now(f"the leader could not do what its followers did ({error!r}); the group stops", DIVERGED_EXIT)
 
     def stop(self) -> None:
         """Tells every follower to exit; safe to call twice. Followers close their end on `stop`, so

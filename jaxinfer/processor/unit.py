@@ -11,8 +11,9 @@ host round trip.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,9 @@ class ExecUnit:
                               donate_argnums=(0,))
         self._stop = jax.jit(_stop, donate_argnums=(0,))
         self.free = list(range(shape.slots))
+        # How a change to the machine state runs: at once here; in a process group's leader it is
+        # first sent to the followers (ModelRunner._replicated), which apply it with `apply_call`.
+        self.replicate: Callable[..., Any] = lambda apply, method, fields, arrays=None: apply()
 
     @property
     def step_function(self):
@@ -121,41 +125,75 @@ class ExecUnit:
         return SlotImage(code_image(program, self.shape.code_length), registers, memory, scalars, code.results)
 
     def load(self, slot: int, image: SlotImage) -> None:
-        self.state, self.code = self._load(self.state, self.code, np.int32(slot), image.code, image.registers,
-                                           image.memory, image.scalars)
+        arrays = {"code": image.code, "registers": image.registers, "memory": image.memory, "scalars": image.scalars}
+        self.replicate(lambda: self._load_image(slot, arrays), "exec_load", {"slot": slot}, arrays)
+
+    def _load_image(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        self.state, self.code = self._load(self.state, self.code, np.int32(slot), arrays["code"],
+                                           arrays["registers"], arrays["memory"], arrays["scalars"])
+
+    def _local_state(self) -> machine.MachineState:
+        """The state as this process's first device holds it (replicated): reads need no other process."""
+        return jax.tree.map(lambda array: array.addressable_data(0), self.state)
 
     def scalars(self, slot: int) -> np.ndarray:
         """A slot's scalars on the host (one transfer)."""
-        return np.array(machine.pack_scalars(self.state)[slot])
+        return np.array(machine.pack_scalars(self._local_state())[slot])
 
     def memory(self, slot: int) -> np.ndarray:
-        return np.array(self.state.memory[slot])
+        return np.array(self.state.memory.addressable_data(0)[slot])
 
     def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A slot's scalars, registers and memory on the host (to serve its system call)."""
-        return self.scalars(slot), np.array(self.state.registers[slot]), self.memory(slot)
+        return self.scalars(slot), np.array(self.state.registers.addressable_data(0)[slot]), self.memory(slot)
 
     def trace_rows(self, slot: int, count: int) -> np.ndarray:
         """The first ``count`` trace rows of a slot (pc, op, value low, value high)."""
-        return np.asarray(self.state.trace[slot, : min(count, self.shape.trace_entries)])
+        return np.asarray(self.state.trace.addressable_data(0)[slot, : min(count, self.shape.trace_entries)])
 
     def resume(self, slot: int, scalars: np.ndarray, registers: np.ndarray, memory: np.ndarray) -> None:
-        self.state = self._write(self.state, np.int32(slot), registers, memory, scalars)
+        arrays = {"scalars": scalars, "registers": registers, "memory": memory}
+        self.replicate(lambda: self._resume(slot, arrays), "exec_resume", {"slot": slot}, arrays)
+
+    def _resume(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
+        self.state = self._write(self.state, np.int32(slot), arrays["registers"], arrays["memory"], arrays["scalars"])
 
     def run_alone(self) -> ExecReport:
         """Advances the slots without a model step (nothing else to compute); returns the report."""
+        return self.replicate(self._run_alone, "exec_alone", {})
+
+    def _run_alone(self) -> ExecReport:
         self.state, exec_report = self._alone(self.state, self.code)
         return exec_report
+
+    def apply_call(self, method: str, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """A follower's copy of a change the leader made (see `replicate`)."""
+        if method == "exec_load":
+            self._load_image(fields["slot"], arrays)
+        elif method == "exec_resume":
+            self._resume(fields["slot"], arrays)
+        elif method == "exec_alone":
+            self._run_alone()
+        elif method == "exec_stop":
+            self._stop_slot(fields["slot"])
+        else:
+            raise ValueError(f"control channel: unknown processor call {method!r}")
 
     def warmup(self) -> None:
         """Compiles the load, stop and machine-only programs now rather than at the first program."""
         shape = self.shape
         idle = SlotImage(np.zeros((shape.code_length, 8), np.int32), np.zeros((shape.registers + 1, 2), np.uint32),
                          np.zeros(shape.memory_bytes + 8, np.uint8), np.zeros(len(machine.SCALAR_FIELDS), np.int32), "")
-        self.load(0, idle)
-        self.resume(0, *self.read(0))
-        self.stop(0)
-        jax.block_until_ready(self.run_alone())
+        # Every process warms up alike, so none of this is sent to followers.
+        self._load_image(0, {"code": idle.code, "registers": idle.registers, "memory": idle.memory,
+                             "scalars": idle.scalars})
+        scalars, registers, memory = self.read(0)
+        self._resume(0, {"scalars": scalars, "registers": registers, "memory": memory})
+        self._stop_slot(0)
+        jax.block_until_ready(self._run_alone())
 
     def stop(self, slot: int) -> None:
+        self.replicate(lambda: self._stop_slot(slot), "exec_stop", {"slot": slot})
+
+    def _stop_slot(self, slot: int) -> None:
         self.state = self._stop(self.state, np.int32(slot))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from safetensors.flax import load_file
@@ -102,6 +103,14 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
+def _this_process_only() -> ocp.StandardCheckpointer:
+    """A checkpointer whose barriers involve this process alone: in a process group only the leader
+    reads an adapter (it sends the checked tensors), and the others are not there to meet it."""
+    process = jax.process_index()
+    return ocp.StandardCheckpointer(multiprocessing_options=ocp.options.MultiprocessingOptions(
+        primary_host=process, active_processes={process}, barrier_sync_key_prefix=f"adapter-read-{process}"))
+
+
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     if (path / SAFETENSORS_FILE).exists():
         try:
@@ -110,7 +119,7 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
             raise CheckpointError(f"{path / SAFETENSORS_FILE}: unreadable ({exc})") from None
     if (path / ORBAX_STATE).is_dir():
         try:
-            restored = ocp.StandardCheckpointer().restore((path / ORBAX_STATE).absolute())
+            restored = _this_process_only().restore((path / ORBAX_STATE).absolute())
         except Exception as exc:  # orbax and tensorstore raise many types for a damaged or foreign folder
             raise CheckpointError(f"{path / ORBAX_STATE}: cannot restore ({exc})") from None
         return {name: np.asarray(value) for name, value in restored.items()}
