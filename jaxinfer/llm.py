@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxinfer import tokenizer as tokenizers_
 from jaxinfer.config import EngineConfig, load_engine_config
@@ -53,33 +54,30 @@ def resolve_dtype(name: str) -> jnp.dtype:
     return jnp.dtype(name)
 
 
-# Settings whose device work happens outside the step and is not replayed by followers (yet); adapter
-# loads and the processor's slot changes are (`ModelRunner.replay_call`).
-SINGLE_PROCESS_ONLY = ("draft_model", "kv_host_pages", "kv_store")
+# Settings with device work of their own (a draft's steps, KV tier copies) that followers do not
+# replay and replicas do not share, yet. Adapter loads and the processor's slot changes are replayed
+# (`ModelRunner.replay_call`) and resident on every replica.
+ONE_ENGINE_ONLY = ("draft_model", "kv_host_pages", "kv_store")
 
 
-def check_multi_process(cfg: EngineConfig) -> None:
-    """Refuses settings that a process group cannot run in lockstep (only the step is replayed)."""
-    used = [name for name in SINGLE_PROCESS_ONLY if getattr(cfg, name)]
+def _refuse_one_engine_settings(cfg: EngineConfig, where: str) -> None:
+    used = [name for name in ONE_ENGINE_ONLY if getattr(cfg, name)]
     if used:
-        raise ConfigError(f"engine.{used[0]} is not supported with more than one process "
+        raise ConfigError(f"engine.{used[0]} is not supported with {where} "
                           f"(set {', '.join('engine.' + name for name in used)} off)")
 
 
-# Settings kept per engine that replicas do not share yet (a draft per replica, one set of KV tiers).
-SINGLE_REPLICA_ONLY = ("draft_model", "kv_host_pages", "kv_store")
+def check_multi_process(cfg: EngineConfig) -> None:
+    """Refuses settings that a process group cannot run in lockstep."""
+    _refuse_one_engine_settings(cfg, "more than one process")
 
 
-def check_group_settings(cfg: EngineConfig, group: ProcessGroup) -> None:
-    """What a process group cannot run, refused on every process before it joins the control channel
-    (so each reports the real error, not a lost peer)."""
+def check_group_settings(cfg: EngineConfig, group: ProcessGroup) -> Mesh:
+    """The ('data', 'model') mesh, after refusing what the group or the replicas cannot run. Every
+    process checks before it joins the control channel, so each reports the real error, not a lost
+    peer. With mesh_data > 1 each data row is one replica of the model."""
     if group.distributed:
         check_multi_process(cfg)
-    make_group_mesh(cfg, group)
-
-
-def make_group_mesh(cfg: EngineConfig, group: ProcessGroup):
-    """The ('data', 'model') mesh: with mesh_data > 1 each data row is one replica of the model."""
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
     if group.distributed and mesh.devices.size != jax.device_count():
         raise ConfigError(f"engine.mesh_data x engine.mesh_model = {mesh.devices.size} devices; with "
@@ -87,9 +85,8 @@ def make_group_mesh(cfg: EngineConfig, group: ProcessGroup):
     if cfg.mesh_data > 1 and group.distributed:
         raise ConfigError("engine.mesh_data > 1 (replicas) is not supported with more than one process: run one "
                           "process group per replica behind a load balancer")
-    used = [name for name in SINGLE_REPLICA_ONLY if getattr(cfg, name)]
-    if cfg.mesh_data > 1 and used:
-        raise ConfigError(f"engine.{used[0]} is not supported with engine.mesh_data > 1 (replicas)")
+    if cfg.mesh_data > 1:
+        _refuse_one_engine_settings(cfg, "engine.mesh_data > 1 (replicas)")
     return mesh
 
 
@@ -106,7 +103,7 @@ class LLM:
         cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
         self.config = cfg = cfg.replace(**overrides) if overrides else cfg
         self.group = initialize(process_group or ProcessGroup())
-        check_group_settings(cfg, self.group)
+        self.mesh = check_group_settings(cfg, self.group)
         # Joined before loading, so a process lost (or failing) while loading stops the whole group.
         channel = lockstep if lockstep is not None else connect(self.group)
         self.leader = channel if isinstance(channel, Leader) else None
@@ -125,7 +122,6 @@ class LLM:
         enable_compilation_cache(cfg.compilation_cache_dir)
         start = time.perf_counter()
         self.dtype = resolve_dtype(cfg.dtype)
-        self.mesh = make_group_mesh(cfg, self.group)
         checkpoint = resolve(model)
         gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
         backend = make_backend(

@@ -93,4 +93,5 @@ def test_two_replicas_answer_like_one_and_route_by_prefix():
     assert report["cached_question_replica"] == 1, report  # index 1 of the first batch ran there
     assert report["session_stable"] and report["sessions_spread"] == [0, 1], report
     assert report["aborted"] == [1, "abort", 1] and report["free_restored"], report
-    assert report["refused"] == "engine.kv_store is not supported with engine.mesh_data > 1 (replicas)", report
+    assert report["refused"] == ("engine.kv_store is not supported with engine.mesh_data > 1 (replicas) "
+                                 "(set engine.kv_store off)"), report

@@ -35,7 +35,7 @@ from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams, Usage
 from jaxinfer.engine.sampler import MAX_BANNED
 from jaxinfer.engine.scheduler import Scheduler
-from jaxinfer.engine.sequence import ScheduledChunk, Sequence
+from jaxinfer.engine.sequence import ScheduledChunk, Sequence, prefix_salt
 from jaxinfer.engine.speculator import Round, Speculator
 from jaxinfer.engine.step import HostBatch, ModelRunner, StepResult
 from jaxinfer.errors import RequestError
@@ -148,6 +148,10 @@ class Engine:
     def adapter_name(self, request: Request) -> str:
         """The adapter a request runs with: its own, or engine.exec_adapter for exec requests ("": none)."""
         return request.adapter or (self.cfg.exec_adapter if request.params.exec else "")
+
+    def prefix_salt(self, request: Request) -> str:
+        """The prefix-cache namespace a request's pages get (see `Sequence.cache_salt`)."""
+        return prefix_salt(request, self._adapter_of(request))
 
     def _adapter_of(self, request: Request) -> AdapterInfo | None:
         """The loaded adapter a request runs with; RequestError naming the field that named it."""

@@ -38,16 +38,21 @@ class ReplicaSet:
         if session:
             digest = hashlib.sha256(f"{tenant_of(request)}\x00{session}".encode()).digest()
             return self.engines[int.from_bytes(digest[:4], "big") % len(self.engines)]
-        return max(self.engines, key=lambda engine: (self._cached_pages(engine, request), -self._load(engine)))
+        keys = self._prompt_keys(request)
+        return max(self.engines, key=lambda engine: (self._held_pages(engine, keys), -self._load(engine)))
 
-    def _cached_pages(self, engine: Engine, request: Request) -> int:
-        """Leading full pages of the prompt that the replica holds or is computing."""
-        if not engine.prefix_caching:
-            return 0
-        adapter = engine._adapter_of(request)
-        salt = request.cache_salt + (f"\x00lora:{adapter.digest}" if adapter is not None else "")
+    def _prompt_keys(self, request: Request) -> list[bytes]:
+        """The prompt's full-page prefix keys: the same on every replica (adapters are loaded on all)."""
+        first = self.engines[0]
+        if not first.prefix_caching:
+            return []
+        return chain_keys(request.prompt_ids, self.cfg.page_size, first.prefix_salt(request))
+
+    @staticmethod
+    def _held_pages(engine: Engine, keys: list[bytes]) -> int:
+        """Leading pages of the prompt that the replica holds or is computing."""
         count = 0
-        for key in chain_keys(request.prompt_ids, self.cfg.page_size, salt):
+        for key in keys:
             if key not in engine.pool and not engine.scheduler.computing(key):
                 break
             count += 1

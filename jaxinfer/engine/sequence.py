@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from jaxinfer.engine.adapters import AdapterInfo
 
 
+def prefix_salt(request: Request, adapter: AdapterInfo | None) -> str:
+    """Prefix-cache namespace: the tenant's salt, and the adapter's content hash (its KV is not the base's)."""
+    return f"{request.cache_salt}\x00lora:{adapter.digest}" if adapter is not None else request.cache_salt
+
+
 @dataclass(eq=False)  # identity: `in running` and `remove` must not compare whole token lists
 class Sequence:
     index: int
@@ -50,9 +55,7 @@ class Sequence:
 
     @property
     def cache_salt(self) -> str:
-        """Prefix-cache namespace: the tenant's salt, and the adapter's content hash (its KV is not the base's)."""
-        salt = self.request.cache_salt
-        return f"{salt}\x00lora:{self.adapter.digest}" if self.adapter is not None else salt
+        return prefix_salt(self.request, self.adapter)
 
     @property
     def paused(self) -> bool:

@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -221,12 +222,17 @@ class ModelRunner:
 
     def _replicated(self, apply, method: str, fields: dict, arrays: dict[str, np.ndarray] | None = None):
         """Runs `apply` (device work outside the step) after sending it to the followers, if any."""
+        return self._sent_then(lambda leader: leader.call(method, fields, arrays or {}), apply)
+
+    def _sent_then(self, send: Callable[[Leader], None], apply):
+        """In a process group's leader: `send` the work to the followers, then `apply` it here. A leader
+        that fails after sending ends the group (its collectives would no longer pair up)."""
         if self.lockstep is None:
             return apply()
-        self.lockstep.call(method, fields, arrays or {})
+        send(self.lockstep)
         try:
             return apply()
-        except BaseException as error:  # the followers have applied it: the leader must too
+        except BaseException as error:
             self.lockstep.diverged(error)
             raise
 
@@ -345,14 +351,9 @@ class ModelRunner:
         executable = self._executable(batch.num_tokens)
         self.copy_evicted_pages()
         number, self._dispatched = self._dispatched, self._dispatched + 1
-        if self.lockstep is None:
-            return self._launch(batch, previous, executable, number)
-        self.lockstep.step(number, previous.number if previous is not None else -1, batch.arrays())
-        try:
-            return self._launch(batch, previous, executable, number)
-        except BaseException as error:  # the followers run this step: the leader must too, or the group ends
-            self.lockstep.diverged(error)
-            raise
+        previous_number = previous.number if previous is not None else -1
+        return self._sent_then(lambda leader: leader.step(number, previous_number, batch.arrays()),
+                               lambda: self._launch(batch, previous, executable, number))
 
     def _launch(self, batch: HostBatch, previous: StepResult | None, executable: jax.stages.Compiled,
                 number: int) -> StepResult:

@@ -231,15 +231,16 @@ class Leader:
 
     def step(self, number: int, previous: int, arrays: dict[str, np.ndarray]) -> None:
         """Sends step `number` (its inputs; `previous`: the step whose sampled ids it reads, -1: none)."""
-        if self.stopping:  # the followers are gone: a step run alone would wait for them forever
-            raise GroupStopped("the process group has stopped; no step can run")
-        self._send(pack_step(number, previous, arrays))
+        self._send_work(pack_step(number, previous, arrays))
 
     def call(self, method: str, fields: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Sends device work done outside the step (an adapter load), replayed by `Follower.serve`'s `call`."""
-        if self.stopping:
-            raise GroupStopped("the process group has stopped")
-        self._send(encode({"op": "call", "method": method, "fields": fields}, arrays))
+        self._send_work(encode({"op": "call", "method": method, "fields": fields}, arrays))
+
+    def _send_work(self, frame: bytes) -> None:
+        if self.stopping:  # the followers are gone: work run alone would wait for them forever
+            raise GroupStopped("the process group has stopped; no step or call can run")
+        self._send(frame)
 
     def diverged(self, error: BaseException) -> None:
         """The leader failed to launch a step it had sent: the followers ran it alone, so the group's
@@ -279,22 +280,22 @@ class Follower:
 
     def await_load(self) -> None:
         """Waits until the leader loads the model; raises LeaderStopped if it stops first."""
-        frame = self._receive()
-        if frame[0]["op"] == "stop":
-            self.sock.close()
-            raise LeaderStopped("the leader stopped before loading the model")
-        if frame[0]["op"] != "load":
-            raise LeaderLost(f"control channel: expected load, got {frame[0]['op']}")
+        self._expect("load")
 
     def replay_next_call(self, call: Callable[[str, dict[str, Any], dict[str, np.ndarray]], None]) -> None:
         """Replays the next message, which must be a call (the leader loading what its config names)."""
+        header, arrays = self._expect("call")
+        call(header["method"], header["fields"], arrays)
+
+    def _expect(self, op: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The next message while the model loads, which must be `op`; LeaderStopped on `stop`."""
         header, arrays = self._receive()
         if header["op"] == "stop":
             self.sock.close()
-            raise LeaderStopped("the leader stopped while loading")
-        if header["op"] != "call":
-            raise LeaderLost(f"control channel: expected a call, got {header['op']}")
-        call(header["method"], header["fields"], arrays)
+            raise LeaderStopped(f"the leader stopped while this follower waited for {op}")
+        if header["op"] != op:
+            raise LeaderLost(f"control channel: expected {op}, got {header['op']}")
+        return header, arrays
 
     def _receive(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         frame = receive(self.sock)

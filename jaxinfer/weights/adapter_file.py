@@ -51,7 +51,6 @@ class AdapterWeights:
     def targets(self) -> set[str]:
         return {name.rsplit(".", 1)[1] for name in self.modules}
 
-
     def to_arrays(self) -> tuple[dict, dict[str, np.ndarray]]:
         """(JSON-able fields, named arrays): the adapter as the multi-host control channel sends it."""
         arrays = {f"{module}.{part}": matrix for module, pair in self.modules.items()

@@ -121,9 +121,10 @@ def load_model(
         if shared and target is None:
             raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
                                   "it as engine.draft_model of that target")
-        stored = {name: param for name, param in parameters(model).items() if name not in shared}
+        params = parameters(model)
+        stored = {name: param for name, param in params.items() if name not in shared}
         tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, stored, mesh),
-                                  _target_tensors(shared, target, source))
+                                  _target_tensors(shared, target, params, source))
         return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
     model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source, names)
     return LoadedModel(cfg, model, checkpoint)
@@ -142,16 +143,17 @@ def place_copy(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
     return nnx.merge(graphdef, jax.tree.map(move, state))
 
 
-def _target_tensors(names: list[str], target: LlamaForCausalLM | None, source: str
+def _target_tensors(names: list[str], target: LlamaForCausalLM, draft: dict[str, nnx.Param], source: str
                     ) -> Iterator[tuple[str, str, jax.Array]]:
+    """The target's tensors a draft shares, cut to the draft's rows: a target that grew its vocabulary
+    (the processor's control tokens) has rows the draft never had."""
     params = parameters(target) if names else {}
     for name in names:
         if name not in params:
             raise CheckpointError(f"{source}: the target model has no {name} to share")
         value = params[name].get_value()
-        if name.endswith("embed_tokens.weight") and value.shape[0] > target.base_vocab_size:
-            value = value[: target.base_vocab_size]  # rows the target added later (control tokens) are its own
-        yield name, f"{name} (from the target)", value
+        rows = draft[name].get_value().shape[0]
+        yield name, f"{name} (from the target)", value[:rows] if value.shape[0] > rows else value
 
 
 def random_model(
