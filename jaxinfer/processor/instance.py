@@ -190,7 +190,7 @@ class Instance:
 
     def __init__(self, compiled: CompiledModule, *, memory_pages: int = DEFAULT_MEMORY_PAGES,
                  max_call_depth: int = DEFAULT_MAX_DEPTH, registers: int = DEFAULT_REGISTERS,
-                 trace_entries: int = 0) -> None:
+                 trace_entries: int = 0, loop: str = "auto") -> None:
         program = compiled.program
         self.program = program
         self.globals = initial_globals(program)
@@ -201,7 +201,7 @@ class Instance:
         self.code = code_image(program, code_length)[None]
         self.device_code = jax.numpy.asarray(self.code)
         self.shape = machine.MachineShape(1, code_length, registers, _bucket(memory_pages, 1), max_call_depth,
-                                          trace_entries)
+                                          trace_entries, loop)
         if program.start is not None:
             result = self.call(program.start, [])
             if result.trap:
@@ -287,16 +287,16 @@ class Instance:
 
 def run(module: bytes | str, func: str = "main", args: list[int] = (), *, max_instructions: int = 10_000_000,
         memory_pages: int = DEFAULT_MEMORY_PAGES, timeout_seconds: float | None = None,
-        files: FileMapping | None = None, trace_entries: int = 0) -> ExecResult:
+        files: FileMapping | None = None, trace_entries: int = 0, loop: str = "auto") -> ExecResult:
     """Compile, instantiate and invoke one export on the jitted machine (``files``: WASI descriptors 3..;
-    ``trace_entries``: trace that many instructions)."""
-    instance = Instance(compile_module(module), memory_pages=memory_pages, trace_entries=trace_entries)
+    ``trace_entries``: trace that many instructions; ``loop``: see ``machine.MachineShape``)."""
+    instance = Instance(compile_module(module), memory_pages=memory_pages, trace_entries=trace_entries, loop=loop)
     return instance.invoke(func, list(args), max_instructions=max_instructions, timeout_seconds=timeout_seconds,
                            files=files)
 
 
 def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *, max_instructions: int = 10_000_000,
-              memory_pages: int = DEFAULT_MEMORY_PAGES) -> list[ExecResult]:
+              memory_pages: int = DEFAULT_MEMORY_PAGES, loop: str = "auto") -> list[ExecResult]:
     """Run one export in ``len(args_per_slot)`` slots of one machine at once, each with its own
     arguments, memory and fuel: the batched path the engine uses, exposed for tests and benchmarks."""
     compiled = compile_module(module)
@@ -312,7 +312,7 @@ def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *,
     state = jax.tree.map(lambda *parts: jax.numpy.concatenate(parts), *states)
     slots = len(args_per_slot)
     shape = machine.MachineShape(slots, instances[0].shape.code_length, instances[0].shape.registers,
-                                 instances[0].shape.memory_pages, instances[0].shape.max_depth)
+                                 instances[0].shape.memory_pages, instances[0].shape.max_depth, loop=loop)
     device_code = jax.numpy.asarray(np.repeat(instances[0].code, slots, axis=0))
     advance = _advance_for(shape)
     while True:

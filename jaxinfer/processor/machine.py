@@ -8,10 +8,15 @@ of at most ``steps`` iterations; each iteration executes one record for every ru
 branch-free code, so slots running different programs share one loop. The only real branch is
 64-bit division, taken when some slot divides. The engine calls ``advance`` inside its jitted step
 with a small ``steps``; the host API calls it with a large one.
+
+On the CPU the loop is compiled as a single kernel (``_advance_one_kernel``); on accelerators, or
+with ``MachineShape.loop == "while"``, it is a plain ``lax.while_loop``. Both run the same ``step``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -19,12 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxinfer.processor import alu
 from jaxinfer.processor.isa import ABSOLUTE, FIELD, LOAD_SIGNED, LOAD_WIDE, NO_WRITE, Op, Status, Trap
 
 PAGE_BYTES = 65536
 U32 = jnp.uint32
+LOOPS = ("auto", "while")
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,11 @@ class MachineShape:
     memory_pages: int
     max_depth: int
     trace_entries: int = 0  # per-slot trace buffer rows (0: tracing compiled out)
+    loop: str = "auto"  # "auto": one kernel on the CPU, a while loop elsewhere; "while": the while loop everywhere
+
+    def __post_init__(self) -> None:
+        if self.loop not in LOOPS:
+            raise ValueError(f"loop must be one of {LOOPS}, got {self.loop!r}")
 
     @property
     def memory_bytes(self) -> int:
@@ -228,6 +240,7 @@ def _no_writes(shape: MachineShape) -> _Pending:
 
 
 def _apply(state: MachineState, pending: _Pending) -> MachineState:
+    """The pending writes as scatters: one kernel each for all slots (the accelerator loop)."""
     rows = jnp.arange(state.pc.shape[0])
     registers = state.registers.at[rows, pending.register].set(pending.register_value, mode="promise_in_bounds")
     positions = pending.address[:, None] + jnp.arange(8, dtype=jnp.int32)[None, :]
@@ -236,6 +249,20 @@ def _apply(state: MachineState, pending: _Pending) -> MachineState:
         trace = state.trace.at[rows, pending.trace_row].set(pending.trace_entry, mode="promise_in_bounds")
         state = state._replace(trace=trace)
     return state._replace(registers=registers, memory=memory)
+
+
+def _apply_per_slot(state: MachineState, pending: _Pending) -> MachineState:
+    """The pending writes as one dynamic-update-slice per slot and array: the form the CPU's single
+    kernel can emit (XLA:CPU's whole-computation emitter has no scatter)."""
+    registers, memory, trace = state.registers, state.memory, state.trace
+    for slot in range(state.pc.shape[0]):
+        registers = lax.dynamic_update_slice(registers, pending.register_value[slot][None, None],
+                                             (slot, pending.register[slot], 0))
+        memory = lax.dynamic_update_slice(memory, pending.window[slot][None], (slot, pending.address[slot]))
+        if trace.shape[1] > 1:  # tracing compiled in
+            trace = lax.dynamic_update_slice(trace, pending.trace_entry[slot][None, None],
+                                             (slot, pending.trace_row[slot], 0))
+    return state._replace(registers=registers, memory=memory, trace=trace)
 
 
 def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[MachineState, _Pending]:
@@ -386,18 +413,44 @@ def unpack_scalars(scalars: jax.Array, registers: jax.Array, memory: jax.Array, 
 
 
 def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape) -> MachineState:
-    """Run up to ``steps`` iterations, stopping early when no slot is running."""
+    """Run up to ``steps`` iterations, stopping early when no slot is running.
 
+    On the CPU the whole loop is compiled as one kernel; elsewhere (or with ``shape.loop == "while"``)
+    it is an ordinary while loop whose writes are scatters.
+    """
+    if shape.loop == "while":
+        return _advance(state, code, steps, shape, apply=_apply)
+    return lax.platform_dependent(state, code, steps, cpu=functools.partial(_advance_one_kernel, shape=shape),
+                                  default=functools.partial(_advance, shape=shape, apply=_apply))
+
+
+def _advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape,
+             apply: Callable[[MachineState, _Pending], MachineState]) -> MachineState:
     def keep_going(carry):
         iteration, scalars, *_ = carry
         return (iteration < steps) & jnp.any(scalars[:, SCALAR["status"]] == Status.RUNNING)
 
     def body(carry):
         iteration, scalars, registers, memory, trace, pending = carry
-        current = _apply(unpack_scalars(scalars, registers, memory, trace), pending)
+        current = apply(unpack_scalars(scalars, registers, memory, trace), pending)
         following, writes = step(current, code, shape)
         return iteration + 1, pack_scalars(following), following.registers, following.memory, following.trace, writes
 
     carry = (jnp.int32(0), pack_scalars(state), state.registers, state.memory, state.trace, _no_writes(shape))
     _, scalars, registers, memory, trace, pending = lax.while_loop(keep_going, body, carry)
-    return _apply(unpack_scalars(scalars, registers, memory, trace), pending)
+    return apply(unpack_scalars(scalars, registers, memory, trace), pending)
+
+
+def _advance_one_kernel(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape
+                        ) -> MachineState:
+    """The loop as a call that XLA:CPU emits as a single function.
+
+    XLA:CPU otherwise runs each fusion of the loop body as its own kernel, about 45 of them per
+    iteration at roughly 100 ns each. A call carrying the frontend attribute ``xla_cpu_small_call``
+    is compiled whole instead (the mechanism of XLA's own small-while-loop hoisting, whose size
+    limit this loop exceeds), and ``inlineable="false"`` keeps XLA's call inliner from dissolving
+    it. The call's operands must all be parameters, not constants, for the emitter to accept it,
+    so the loop's initial carry is built inside the call.
+    """
+    looped = jax.jit(functools.partial(_advance, shape=shape, apply=_apply_per_slot))(state, code, steps)
+    return set_xla_metadata(looped, xla_cpu_small_call="true", inlineable="false")

