@@ -13,6 +13,7 @@ from typing import Any
 from jaxinfer.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
 
 
 @dataclass(frozen=True)
@@ -174,7 +175,8 @@ class EngineConfig:
     num_draft_tokens: int = 4  # proposals per round at most
     draft_confidence: float = 0.0  # a round's proposals stop at the first whose draft top probability is lower
     exec_slots: int = 0  # processor slots run inside the step for requests with exec on (0: processor off)
-    exec_steps_per_step: int = 256  # machine iterations per engine step (bounds the delay to co-batched rows)
+    # machine iterations per engine step (bounds the delay to co-batched rows); 0: by platform
+    exec_steps_per_step: int = 0
     exec_max_instructions: int = 10_000_000  # server cap on a program's instructions (fuel)
     exec_timeout_seconds: float = 30.0  # server cap on a program's wall time
     exec_memory_pages: int = 4  # 64 KiB pages of linear memory per slot
@@ -218,7 +220,10 @@ class EngineConfig:
             raise ConfigError(f"engine.num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_confidence <= 1.0:
             raise ConfigError(f"engine.draft_confidence must be in [0, 1], got {self.draft_confidence}")
-        exec_limits = ("exec_steps_per_step", "exec_max_instructions", "exec_timeout_seconds", "exec_memory_pages",
+        if self.exec_steps_per_step < 0:
+            raise ConfigError(f"engine.exec_steps_per_step must be 0 (by platform) or positive, got "
+                              f"{self.exec_steps_per_step}")
+        exec_limits = ("exec_max_instructions", "exec_timeout_seconds", "exec_memory_pages",
                        "exec_code_records", "exec_registers", "exec_max_call_depth")
         for name in exec_limits if self.exec_slots else ():
             if getattr(self, name) <= 0:
@@ -256,6 +261,11 @@ class EngineConfig:
 
         return MachineShape(self.exec_slots, self.exec_code_records, self.exec_registers, self.exec_memory_pages,
                             self.exec_max_call_depth, self.exec_trace_entries)
+
+    def exec_steps_on(self, platform: str) -> int:
+        """Machine iterations per engine step: the configured number, or the platform's default (an
+        iteration costs about 0.1 us on the CPU, where the loop is one kernel, and 25 us on an H200)."""
+        return self.exec_steps_per_step or EXEC_STEPS_BY_PLATFORM.get(platform, EXEC_STEPS_BY_PLATFORM["default"])
 
     @property
     def max_tokens_per_step(self) -> int:

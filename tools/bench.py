@@ -507,7 +507,7 @@ def main() -> None:
     exec_.add_argument("--batch-size", type=int, default=8)
     exec_.add_argument("--in-len", type=int, default=32)
     exec_.add_argument("--out-len", type=int, default=64)
-    exec_.add_argument("--steps-per-step", type=int, default=256)
+    exec_.add_argument("--steps-per-step", type=int, default=0, help="engine.exec_steps_per_step (0: by platform)")
     lora = sub.add_parser("lora", description=bench_lora.__doc__.splitlines()[0])
     lora.add_argument("--batch-size", type=int, default=8)
     lora.add_argument("--in-len", type=int, default=32)

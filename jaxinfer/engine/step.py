@@ -166,7 +166,8 @@ class ModelRunner:
         self.pool = PrefixCachingPool(cfg.num_pages)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self.replicated)
-        self.exec_unit = (ExecUnit(cfg.exec_machine_shape, cfg.exec_steps_per_step, self.replicated)
+        exec_steps = cfg.exec_steps_on(mesh.devices.flat[0].platform)
+        self.exec_unit = (ExecUnit(cfg.exec_machine_shape, exec_steps, self.replicated)
                           if cfg.exec_slots else None)
         if self.exec_unit is not None:  # its slot loads, resumes and stops reach followers like adapter loads
             self.exec_unit.replicate = self._replicated
