@@ -159,7 +159,7 @@ class EngineConfig:
     max_seqs: int = 32  # sequences in flight at once
     max_model_len: int = 0  # 0: the model's context length, capped at 8192
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    attention_backend: str = "auto"  # auto | reference
+    attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu
     attention_block_tokens: int = 128  # keys visited per attention loop iteration
     attention_query_tile: int = 16  # queries that share one gather when they belong to one sequence
     mesh_data: int = 1
@@ -234,8 +234,9 @@ class EngineConfig:
         if not 0 <= self.exec_slots <= 1024:
             raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
         self._check_lora()
-        if self.attention_backend not in ("auto", "reference"):
-            raise ConfigError(f"engine.attention_backend must be auto or reference, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "reference", "pallas_gpu"):
+            raise ConfigError(f"engine.attention_backend must be auto, reference or pallas_gpu, got "
+                              f"{self.attention_backend!r}")
 
     def _check_lora(self) -> None:
         from jaxinfer.layers.lora import LORA_TARGETS

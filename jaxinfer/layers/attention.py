@@ -163,9 +163,20 @@ class _BlockAttention:
         return jnp.swapaxes(acc / denom[..., None], 0, 1)
 
 
+BACKENDS = ("auto", "reference", "pallas_gpu")
+AUTO_BACKEND = {"gpu": "pallas_gpu"}  # by jax.default_backend(); other platforms use the reference
+
+
 def make_backend(name: str, *, block_tokens: int, query_tile: int) -> AttentionBackend:
-    if name in ("auto", "reference"):
+    """The named backend; ``auto`` picks by the platform (the Pallas kernel on GPUs)."""
+    if name == "auto":
+        name = AUTO_BACKEND.get(jax.default_backend(), "reference")
+    if name == "reference":
         return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
+    if name == "pallas_gpu":
+        from jaxinfer.layers.pallas_attention import PallasGpuAttention
+
+        return PallasGpuAttention(block_tokens=block_tokens)
     raise ValueError(f"unknown attention backend {name!r}")
 
 
