@@ -10,6 +10,7 @@
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
     python tools/bench.py spec                      # speculative decoding vs none, batch 1 and 8, 128 new tokens
     python tools/bench.py processor                 # WebAssembly processor instructions/s vs wasmtime
+    python tools/bench.py --no-peer shape           # llama3-8b shape, random weights: decode vs roofline, offline
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 import processor_bench
+import shape_bench
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_PEER = REPO.parent / "shared" / "bench" / "hf_peer.py"
@@ -516,6 +518,7 @@ def main() -> None:
     lora.add_argument("--rank", type=int, default=16)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
+    shape_bench.add_arguments(sub.add_parser("shape", description=shape_bench.__doc__.splitlines()[0]))
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
                                                  epilog=processor_bench.ISSUE_SCALE))
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
@@ -541,6 +544,8 @@ def main() -> None:
         bench_spec(args)
     elif args.workload == "processor":
         processor_bench.bench(args)
+    elif args.workload == "shape":
+        shape_bench.bench(args)
     elif args.workload == "exec":
         bench_exec(args)
     elif args.workload == "lora":

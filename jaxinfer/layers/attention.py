@@ -167,10 +167,13 @@ BACKENDS = ("auto", "reference", "pallas_gpu")
 AUTO_BACKEND = {"gpu": "pallas_gpu"}  # by jax.default_backend(); other platforms use the reference
 
 
+def backend_name(name: str) -> str:
+    """The backend a setting means here: ``auto`` picks by the platform (the Pallas kernel on GPUs)."""
+    return AUTO_BACKEND.get(jax.default_backend(), "reference") if name == "auto" else name
+
+
 def make_backend(name: str, *, block_tokens: int, query_tile: int) -> AttentionBackend:
-    """The named backend; ``auto`` picks by the platform (the Pallas kernel on GPUs)."""
-    if name == "auto":
-        name = AUTO_BACKEND.get(jax.default_backend(), "reference")
+    name = backend_name(name)
     if name == "reference":
         return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
     if name == "pallas_gpu":

@@ -114,6 +114,9 @@ def load_model(
     elif checkpoint.kind == "hf":
         cfg = hf.read_config(checkpoint.path)
         tensors, names = hf.iter_tensors(checkpoint.path), hf.checkpoint_name
+    elif checkpoint.kind == "random":  # a model shape for benchmarks: config.json, no weights
+        cfg = hf.read_config(checkpoint.path)
+        return LoadedModel(cfg, random_model(cfg, mesh, dtype, backend), checkpoint)
     else:
         cfg = orbax_io.read_config(checkpoint.path)
         model = abstract_model(cfg, dtype, backend)

@@ -11,11 +11,12 @@ from pathlib import Path
 from jaxinfer.errors import CheckpointError
 
 ORBAX_MARKER = "jaxinfer.json"
+RANDOM_MARKER = "RANDOM_WEIGHTS"  # with config.json: a model shape whose weights are drawn at load (benchmarks)
 
 
 @dataclass(frozen=True)
 class ResolvedCheckpoint:
-    kind: str  # "gguf" | "hf" | "orbax"
+    kind: str  # "gguf" | "hf" | "orbax" | "random"
     path: Path
     name: str  # registry name or the path as given
 
@@ -79,6 +80,8 @@ def _kind_of(path: Path) -> str:
         raise CheckpointError(f"{path}: not a GGUF file (expected the GGUF magic) and not a checkpoint folder")
     if (path / ORBAX_MARKER).exists():
         return "orbax"
+    if (path / RANDOM_MARKER).exists() and (path / "config.json").exists():
+        return "random"
     if (path / "config.json").exists():
         return "hf"
     raise CheckpointError(
