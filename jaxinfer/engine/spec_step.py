@@ -69,13 +69,25 @@ def _propose_step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepI
     return caches, _pad_rows(tokens, rows), _pad_rows(probs, rows), _pad_rows(confidence, rows)
 
 
+def _scored_logits(model, hidden: jax.Array, logits_rows: jax.Array) -> jax.Array:
+    """Target logits [rows, K+1, V] at each row's scored positions.
+
+    The head runs on whichever is smaller: every token of the bucket (then the scored positions are
+    gathered from its logits) or every (row, position) pair. At batch 1 a bucket of 4 tokens has 4
+    rows of K+1 positions, so scoring the tokens is 4x less head work than scoring the pairs."""
+    rows, width = logits_rows.shape
+    if hidden.shape[0] < rows * width:
+        return model.logits(hidden)[logits_rows]
+    return model.logits(hidden[logits_rows.reshape(-1)]).reshape(rows, width, -1)
+
+
 def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_caches, draft_probs,
                  inputs: StepInputs, spec: SpecInputs):
     model, draft = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
     hidden, caches = model(inputs.tokens, caches, inputs.meta)
     _, draft_caches = draft(inputs.tokens, draft_caches, inputs.meta)  # the draft's KV keeps pace
-    rows, width = spec.logits_rows.shape
-    logits = model.logits(hidden[spec.logits_rows.reshape(-1)]).reshape(rows, width, -1)
+    rows = spec.logits_rows.shape[0]
+    logits = _scored_logits(model, hidden, spec.logits_rows)
     probs = jnp.stack(draft_probs, axis=1)[:rows]
     tokens, counts, logprobs = verify(logits, probs, spec.draft_tokens[:rows], spec.num_proposed[:rows],
                                       inputs.sampling)
