@@ -189,6 +189,9 @@ class EngineConfig:
     exec_session_ttl_seconds: float = 3600.0
     exec_trace_entries: int = 256  # instructions traced per program (for the audit log and exec_trace=full; 0: off)
     exec_max_trace_tokens: int = 256  # trace text a request's context may receive
+    # the machine's loop: auto (one kernel on the CPU, a while loop elsewhere), while, or pallas (the
+    # Pallas kernel on CUDA GPUs, its interpreter on the CPU; not yet timed on a GPU)
+    exec_loop: str = "auto"
     max_adapters: int = 0  # LoRA adapters resident at once (0: LoRA off); each a slot in the step's stacks
     max_lora_rank: int = 16  # the slots' rank: an adapter of lower rank is zero-padded, a higher one refused
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -220,6 +223,8 @@ class EngineConfig:
             raise ConfigError(f"engine.num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_confidence <= 1.0:
             raise ConfigError(f"engine.draft_confidence must be in [0, 1], got {self.draft_confidence}")
+        if self.exec_loop not in ("auto", "while", "pallas"):
+            raise ConfigError(f"engine.exec_loop must be auto, while or pallas, got {self.exec_loop!r}")
         if self.exec_steps_per_step < 0:
             raise ConfigError(f"engine.exec_steps_per_step must be 0 (by platform) or positive, got "
                               f"{self.exec_steps_per_step}")
@@ -261,7 +266,7 @@ class EngineConfig:
         from jaxinfer.processor.machine import MachineShape
 
         return MachineShape(self.exec_slots, self.exec_code_records, self.exec_registers, self.exec_memory_pages,
-                            self.exec_max_call_depth, self.exec_trace_entries)
+                            self.exec_max_call_depth, self.exec_trace_entries, self.exec_loop)
 
     def exec_steps_on(self, platform: str) -> int:
         """Machine iterations per engine step: the configured number, or the platform's default (an

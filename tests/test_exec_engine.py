@@ -290,3 +290,21 @@ def test_review_regressions_in_the_engine(exec_llm: LLM) -> None:
         exec_llm.tokenizer.guard = "downgrade"
     assert short.text == "<|result|><|im<|/result|>" and len(short.token_ids) == 5  # cut to max_tokens
     assert short.finish_reason == "length"
+
+
+def test_the_pallas_machine_loop_serves_programs_inside_the_step(exec_llm: LLM, files_root) -> None:
+    """engine.exec_loop = "pallas": the GPU kernel of the machine (interpreted on the CPU) inside the
+    jitted step gives the same generations as the CPU's single kernel, traces included."""
+    from conftest import TEST_ENGINE
+
+    pallas = LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2, exec_files_root=str(files_root), max_adapters=1,
+                 exec_loop="pallas", exec_steps_per_step=64, exec_memory_pages=1)
+    loop = ('(module (func (export "main") (result i64) (local i64 i32) (block (loop (br_if 1 (i32.ge_u '
+            '(local.get 1) (i32.const 300))) (local.set 0 (i64.add (i64.mul (local.get 0) (i64.const 31)) '
+            '(i64.extend_i32_u (local.get 1)))) (local.set 1 (i32.add (local.get 1) (i32.const 1))) (br 0))) '
+            '(local.get 0)))')
+    prompts = [exec_prompt(SIX_TIMES_SEVEN), exec_prompt(loop)]
+    params = greedy(max_tokens=12, exec=True, exec_trace="summary")
+    expected = [out.text for out in exec_llm.generate(prompts, params)]
+    assert [out.text for out in pallas.generate(prompts, params)] == expected
+    assert expected[0].startswith("<|result|>42") and "<|result|>" in expected[1]

@@ -118,6 +118,14 @@ def _bucket(value: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, (value - 1).bit_length()))
 
 
+def _memory_capacity(program: Program, memory_pages: int) -> int:
+    """Pages an instance can ever use: none without a memory, else up to the limit or the module's maximum."""
+    if not program.memory:
+        return 0
+    maximum = program.memory[1]
+    return memory_pages if maximum is None else min(memory_pages, maximum)
+
+
 def initial_globals(program: Program) -> np.ndarray:
     """[globals + constants, 2] uint32 (low, high) words: the globals' initial values, then the constant pool."""
     values = [*program.global_inits, *program.constants]
@@ -194,13 +202,14 @@ class Instance:
         program = compiled.program
         self.program = program
         self.globals = initial_globals(program)
-        memory, self.pages, self.max_pages = initial_memory(program, memory_pages, _bucket(memory_pages, 1))
+        capacity = _bucket(_memory_capacity(program, memory_pages), 1)
+        memory, self.pages, self.max_pages = initial_memory(program, memory_pages, capacity)
         self.memory_limit = memory_pages
         self.memory = jax.numpy.asarray(memory[None])  # stays on the device between invocations
         code_length = _bucket(len(program.code), 256)
         self.code = code_image(program, code_length)[None]
         self.device_code = jax.numpy.asarray(self.code)
-        self.shape = machine.MachineShape(1, code_length, registers, _bucket(memory_pages, 1), max_call_depth,
+        self.shape = machine.MachineShape(1, code_length, registers, capacity, max_call_depth,
                                           trace_entries, loop)
         if program.start is not None:
             result = self.call(program.start, [])

@@ -31,7 +31,7 @@ from jaxinfer.processor.isa import ABSOLUTE, FIELD, LOAD_SIGNED, LOAD_WIDE, NO_W
 
 PAGE_BYTES = 65536
 U32 = jnp.uint32
-LOOPS = ("auto", "while")
+LOOPS = ("auto", "while", "pallas")
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class MachineShape:
     memory_pages: int
     max_depth: int
     trace_entries: int = 0  # per-slot trace buffer rows (0: tracing compiled out)
-    loop: str = "auto"  # "auto": one kernel on the CPU, a while loop elsewhere; "while": the while loop everywhere
+    # "auto": one kernel on the CPU, a while loop elsewhere; "while": the while loop everywhere;
+    # "pallas": the Pallas kernel of gpu_kernel.py on CUDA GPUs (its interpreter on the CPU)
+    loop: str = "auto"
 
     def __post_init__(self) -> None:
         if self.loop not in LOOPS:
@@ -88,7 +90,7 @@ def empty_state(shape: MachineShape) -> MachineState:
     )
 
 
-class _Fetched(NamedTuple):
+class Record(NamedTuple):
     op: jax.Array
     dst: jax.Array
     a: jax.Array
@@ -99,12 +101,12 @@ class _Fetched(NamedTuple):
     cost: jax.Array
 
 
-def _fetch(code: jax.Array, pc: jax.Array) -> _Fetched:
+def _fetch(code: jax.Array, pc: jax.Array) -> Record:
     record = jnp.take_along_axis(code, pc[:, None, None], axis=1)[:, 0, :]
-    return _Fetched(*(record[:, FIELD[name]] for name in _Fetched._fields))
+    return Record(*(record[:, FIELD[name]] for name in Record._fields))
 
 
-def _address(fp: jax.Array, operand: jax.Array) -> jax.Array:
+def operand_address(fp: jax.Array, operand: jax.Array) -> jax.Array:
     """A record's register operand: frame-relative, or absolute from ABSOLUTE up (globals, constants)."""
     return jnp.where(operand >= ABSOLUTE, operand - ABSOLUTE, fp + operand)
 
@@ -178,17 +180,33 @@ def _divide64(op: jax.Array, x: alu.Pair, y: alu.Pair, executing: jax.Array) -> 
     signed = (op == Op.I64_DIV_S) | (op == Op.I64_REM_S)
     remainder = (op == Op.I64_REM_S) | (op == Op.I64_REM_U)
 
-    def divide(_):
+    # Both branches take their inputs as operands and compute what they return (Triton's lowering
+    # of a cond yields only values made inside it).
+    def divide(operands):
+        x, y, signed, remainder = operands
         quotient, rest = alu.divide64(x, y, signed)
         return jnp.where(remainder, rest[0], quotient[0]), jnp.where(remainder, rest[1], quotient[1])
 
-    zero = jnp.zeros_like(x[0])
-    return lax.cond(jnp.any(dividing), divide, lambda _: (zero, zero), None)
+    def skip(operands):
+        x = operands[0]
+        return x[0] ^ x[0], x[1] ^ x[1]
+
+    some = dividing if dividing.ndim == 0 else jnp.any(dividing)  # one slot's scalars: no reduction (Triton)
+    return lax.cond(some, divide, skip, (x, y, signed, remainder))
 
 
-def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pair, executing: jax.Array):
-    """Loads and stores: the loaded value, the store's pending write (address, 8-byte window), and
-    whether the access was out of bounds."""
+class Access(NamedTuple):
+    """Where a record's load or store goes: the access kind and width, the byte address (0 for
+    none or out of bounds) and whether it is out of bounds."""
+
+    is_load: jax.Array
+    is_store: jax.Array
+    width: jax.Array
+    address: jax.Array
+    out_of_bounds: jax.Array
+
+
+def access(state: MachineState, record: Record, x: alu.Pair) -> Access:
     is_load, is_store = record.op == Op.LOAD, record.op == Op.STORE
     width = jnp.where(is_load, record.imm2 & 15, jnp.where(is_store, record.imm2, 0))
     address = x[0] + alu.as_unsigned(record.imm)
@@ -196,25 +214,42 @@ def _memory_access(state: MachineState, record: _Fetched, x: alu.Pair, y: alu.Pa
     limit = (state.pages * PAGE_BYTES).astype(U32)
     out_of_bounds = (is_load | is_store) & (wrapped | (address > limit - width.astype(U32)) | (limit < width))
     address = jnp.where(out_of_bounds | ~(is_load | is_store), U32(0), address).astype(jnp.int32)
-    lanes = jnp.arange(8, dtype=jnp.int32)
-    positions = address[:, None] + lanes[None, :]
-    old = jnp.take_along_axis(state.memory, positions, axis=1)
-    in_width = lanes[None, :] < width[:, None]
-    raw = jnp.where(in_width, old.astype(U32), U32(0))
-    low = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
-    high = raw[:, 4] | (raw[:, 5] << 8) | (raw[:, 6] << 16) | (raw[:, 7] << 24)
-    signed = (record.imm2 & LOAD_SIGNED) != 0
-    top_bit = jnp.take_along_axis(raw, jnp.maximum(width - 1, 0)[:, None], axis=1)[:, 0] >> 7
-    extend = signed & (top_bit == 1)
+    return Access(is_load, is_store, width, address, out_of_bounds)
+
+
+def assemble_load(lanes: list[jax.Array], width: jax.Array, kind: jax.Array) -> alu.Pair:
+    """A load's value from the 8 bytes at its address (uint32 each): the first ``width`` of them,
+    little-endian, sign-extended when ``kind`` (LOAD's imm2) says so, the high word for i64 loads."""
+    raw = [jnp.where(lane < width, byte, U32(0)) for lane, byte in enumerate(lanes)]
+    low = raw[0] | (raw[1] << 8) | (raw[2] << 16) | (raw[3] << 24)
+    high = raw[4] | (raw[5] << 8) | (raw[6] << 16) | (raw[7] << 24)
+    top_byte = raw[0]
+    for lane in range(1, 8):
+        top_byte = jnp.where(width - 1 == lane, raw[lane], top_byte)
+    extend = ((kind & LOAD_SIGNED) != 0) & ((top_byte >> 7) == 1)
     bits = (width * 8).astype(U32)
     low = jnp.where(extend & (bits < 32), low | alu.shift_left_word(U32(0xFFFFFFFF), bits), low)
     high = jnp.where(extend, jnp.where(bits <= 32, U32(0xFFFFFFFF), high | alu.shift_left_word(
         U32(0xFFFFFFFF), bits - 32)), high)
-    high = jnp.where((record.imm2 & LOAD_WIDE) != 0, high, U32(0))
-    word = jnp.where(lanes[None, :] < 4, y[0][:, None], y[1][:, None])
-    stored = ((word >> (8 * (lanes % 4)).astype(U32)) & U32(0xFF)).astype(jnp.uint8)
-    writing = (is_store & executing & ~out_of_bounds)[:, None] & in_width
-    return (low, high), (address, jnp.where(writing, stored, old)), out_of_bounds
+    return low, jnp.where((kind & LOAD_WIDE) != 0, high, U32(0))
+
+
+def store_bytes(y: alu.Pair) -> list[jax.Array]:
+    """The 8 bytes (uint32 each) a store of ``y`` writes from its address, of which it keeps its width."""
+    return [(y[lane // 4] >> U32(8 * (lane % 4))) & U32(0xFF) for lane in range(8)]
+
+
+def _memory_access(state: MachineState, record: Record, x: alu.Pair, y: alu.Pair, executing: jax.Array):
+    """Loads and stores over all slots: the loaded value, the store's pending write (address, 8-byte
+    window), and whether the access was out of bounds."""
+    where = access(state, record, x)
+    lanes = jnp.arange(8, dtype=jnp.int32)
+    old = jnp.take_along_axis(state.memory, where.address[:, None] + lanes[None, :], axis=1)
+    loaded = assemble_load([old[:, lane].astype(U32) for lane in range(8)], where.width, record.imm2)
+    stored = jnp.stack(store_bytes(y), axis=1).astype(jnp.uint8)
+    in_width = lanes[None, :] < where.width[:, None]
+    writing = (where.is_store & executing & ~where.out_of_bounds)[:, None] & in_width
+    return loaded, (where.address, jnp.where(writing, stored, old)), where.out_of_bounds
 
 
 class _Pending(NamedTuple):
@@ -267,20 +302,34 @@ def _apply_per_slot(state: MachineState, pending: _Pending) -> MachineState:
 
 def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[MachineState, _Pending]:
     """Execute one record in every running slot; its writes are returned, not yet applied."""
-    running = state.status == Status.RUNNING
     record = _fetch(code, state.pc)
+    fp = state.fp
+    x = _read(state.registers, operand_address(fp, record.a))
+    y = _read(state.registers, operand_address(fp, record.b))
+    z = _read(state.registers, operand_address(fp, record.c))
+    executing = (state.status == Status.RUNNING) & (state.fuel >= record.cost)
+    loaded, memory_write, out_of_bounds = _memory_access(state, record, x, y, executing)
+    following, value, write_index, commit = execute(state, record, x, y, z, loaded, out_of_bounds, shape)
+    trace_write = _trace_write(state, record, value, commit, shape)
+    following = following._replace(traced=state.traced + (trace_write[0] < shape.trace_entries))
+    return following, _Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *trace_write)
+
+
+def execute(state: MachineState, record: Record, x: alu.Pair, y: alu.Pair, z: alu.Pair, loaded: alu.Pair,
+            out_of_bounds: jax.Array, shape: MachineShape, select: Callable = lax.select_n
+            ) -> tuple[MachineState, alu.Pair, jax.Array, jax.Array]:
+    """One record given its operands and memory access, elementwise over whatever shape the scalars
+    have: the next scalars, the value it writes, the register it writes (``shape.registers``, the
+    scratch register, for none) and whether it committed. ``select(op, *cases)`` picks by opcode."""
+    running = state.status == Status.RUNNING
     out_of_fuel = running & (state.fuel < record.cost)
     executing = running & ~out_of_fuel
     op, fp = record.op, state.fp
-    x = _read(state.registers, _address(fp, record.a))
-    y = _read(state.registers, _address(fp, record.b))
-    z = _read(state.registers, _address(fp, record.c))
-    loaded, memory_write, out_of_bounds = _memory_access(state, record, x, y, executing)
 
     # A conditional branch with a compare folded in (imm2: the compare's op) branches on the compare.
     folded_compare = ((op == Op.BR_IF) | (op == Op.BR_UNLESS)) & (record.imm2 != 0)
     value = _value(state, record._replace(op=jnp.where(folded_compare, record.imm2, op)), x, y, z, loaded,
-                   executing)
+                   executing, select)
     condition = jnp.where(folded_compare, value[0], x[0])
     trap = _trap(state, record, x, y, out_of_bounds, shape)
     trap = jnp.where(out_of_fuel, Trap.FUEL_EXHAUSTED, jnp.where(executing, trap, Trap.NONE))
@@ -290,16 +339,14 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     grow = _grow(state, op, x, commit)
     value = (jnp.where(op == Op.MGROW, grow[0], value[0]), value[1])
     writes = commit & (record.dst != NO_WRITE) & (op != Op.HOSTCALL)  # a host call's result: the host writes it
-    write_index = jnp.where(writes, _address(fp, record.dst), shape.registers)
+    write_index = jnp.where(writes, operand_address(fp, record.dst), shape.registers)
 
-    trace_write = _trace_write(state, record, value, commit, shape)
-    trace_row_written = trace_write[0] < shape.trace_entries
     pc, new_fp, depth, finished = _next_pc(state, record, x, condition)
     branching = (op >= Op.BR) & (op <= Op.BR_TABLE)
     taken = commit & branching & (pc != state.pc + 1)
     status = jnp.where(commit & finished, Status.DONE, state.status)
     status = jnp.where(commit & (op == Op.HOSTCALL), Status.SYSCALL, status)  # the host serves it
-    return MachineState(
+    following = state._replace(
         pc=jnp.where(commit, pc, state.pc),
         fp=jnp.where(commit, new_fp, state.fp),
         depth=jnp.where(commit, depth, state.depth),
@@ -308,26 +355,28 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
         fuel=jnp.where(commit, state.fuel - record.cost, state.fuel),
         executed=jnp.where(commit, state.executed + record.cost, state.executed),
         pages=jnp.where(commit, grow[1], state.pages),
-        max_pages=state.max_pages,
-        page_limit=state.page_limit,
         branches=state.branches + taken,
-        tracing=state.tracing,
-        traced=state.traced + trace_row_written,
-        registers=state.registers,
-        memory=state.memory,
-        trace=state.trace,
-    ), _Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *trace_write)
+    )
+    return following, value, write_index, commit
+
+
+def trace_row(state, record, commit, shape) -> jax.Array:
+    """The trace row an executed record writes (``shape.trace_entries``, the scratch row, for none;
+    records of cost 0, the moves lowering adds, are left out)."""
+    keep = commit & (state.tracing != 0) & (record.cost > 0) & (state.traced < shape.trace_entries)
+    return jnp.where(keep, state.traced, shape.trace_entries)
+
+
+def trace_entry(state, record, value) -> list[jax.Array]:
+    """A trace row's columns: pc, op, the value's low and high words."""
+    return [state.pc, record.op, alu.as_signed(value[0]), alu.as_signed(value[1])]
 
 
 def _trace_write(state, record, value, commit, shape) -> tuple[jax.Array, jax.Array]:
-    """The trace row of an executed record (records of cost 0, the moves lowering adds, are left out)."""
-    keep = commit & (state.tracing != 0) & (record.cost > 0) & (state.traced < shape.trace_entries)
-    row = jnp.where(keep, state.traced, shape.trace_entries)
-    entry = jnp.stack([state.pc, record.op, alu.as_signed(value[0]), alu.as_signed(value[1])], axis=-1)
-    return row, entry
+    return trace_row(state, record, commit, shape), jnp.stack(trace_entry(state, record, value), axis=-1)
 
 
-def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
+def _value(state, record, x, y, z, loaded, executing, select: Callable = lax.select_n) -> alu.Pair:
     op = record.op
     zero = jnp.zeros_like(x[0])
     table: dict[Op, alu.Pair] = {
@@ -344,7 +393,7 @@ def _value(state, record, x, y, z, loaded, executing) -> alu.Pair:
     quotient = _divide64(op, x, y, executing)
     table.update(dict.fromkeys(_DIVIDE64, quotient))
     cases = [table.get(Op(code), (zero, zero)) for code in range(len(Op))]
-    return (lax.select_n(op, *[pair[0] for pair in cases]), lax.select_n(op, *[pair[1] for pair in cases]))
+    return select(op, *[pair[0] for pair in cases]), select(op, *[pair[1] for pair in cases])
 
 
 def _trap(state, record, x, y, out_of_bounds, shape) -> jax.Array:
@@ -358,7 +407,7 @@ def _trap(state, record, x, y, out_of_bounds, shape) -> jax.Array:
     call_overflow = (op == Op.CALL) & ((state.depth >= shape.max_depth)
                                        | (state.fp + record.b + record.imm2 > shape.registers))
     over_limit = (op == Op.MGROW) & _within_maximum(state, x) & (x[0] > (state.page_limit - state.pages).astype(U32))
-    trap = jnp.full_like(op, Trap.NONE)
+    trap = jnp.zeros_like(op) + int(Trap.NONE)
     for condition, code in ((op == Op.UNREACHABLE, Trap.UNREACHABLE), (by_zero, Trap.DIVIDE_BY_ZERO),
                             (overflow32 | overflow64, Trap.OVERFLOW), (out_of_bounds, Trap.OUT_OF_BOUNDS),
                             (call_overflow, Trap.STACK_EXHAUSTED), (over_limit, Trap.MEMORY_LIMIT)):
@@ -420,6 +469,13 @@ def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: Machi
     """
     if shape.loop == "while":
         return _advance(state, code, steps, shape, apply=_apply)
+    if shape.loop == "pallas":
+        from jaxinfer.processor import gpu_kernel
+
+        return lax.platform_dependent(state, code, steps,
+                                      cpu=functools.partial(gpu_kernel.advance, shape=shape, interpret=True),
+                                      cuda=functools.partial(gpu_kernel.advance, shape=shape),
+                                      default=functools.partial(_advance, shape=shape, apply=_apply))
     return lax.platform_dependent(state, code, steps, cpu=functools.partial(_advance_one_kernel, shape=shape),
                                   default=functools.partial(_advance, shape=shape, apply=_apply))
 

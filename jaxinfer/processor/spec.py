@@ -65,10 +65,10 @@ def _argument(value: dict) -> int | None:
 
 
 class _Runner:
-    def __init__(self, directory: Path, report: FileReport, loop: str) -> None:
+    def __init__(self, directory: Path, report: FileReport, loop: str, memory_pages: int) -> None:
         self.directory = directory
         self.report = report
-        self.loop = loop
+        self.loop, self.memory_pages = loop, memory_pages
         self.current: Instance | str | None = None  # an instance, or why the module cannot run
         self.named: dict[str, Instance | str] = {}
 
@@ -88,7 +88,7 @@ class _Runner:
 
     def command_module(self, command: dict) -> None:
         try:
-            self.current = Instance(compile_module(self.module_bytes(command)), memory_pages=SPEC_MEMORY_PAGES,
+            self.current = Instance(compile_module(self.module_bytes(command)), memory_pages=self.memory_pages,
                                     loop=self.loop)
         except Unsupported as error:
             self.current = f"module needs {error}"
@@ -171,7 +171,7 @@ class _Runner:
         self.report.record("failed", command["line"], f"accepted a module expected to fail: {command['text']!r}")
 
 
-def run_file(wast: Path, loop: str = "auto") -> FileReport:
+def run_file(wast: Path, loop: str = "auto", memory_pages: int = SPEC_MEMORY_PAGES) -> FileReport:
     """Every command of one file; a file wast2json cannot convert (syntax of a later proposal) counts as
     one skip, with wast2json's first error line as the reason."""
     report = FileReport(wast.name)
@@ -182,7 +182,7 @@ def run_file(wast: Path, loop: str = "auto") -> FileReport:
             reason = (error.stderr or b"").decode(errors="replace").strip().splitlines()[:1]
             report.record("skipped", 0, f"wast2json could not convert the file: {reason[0] if reason else ''}")
             return report
-        _Runner(Path(directory), report, loop).run(commands)
+        _Runner(Path(directory), report, loop, memory_pages).run(commands)
     return report
 
 
@@ -191,11 +191,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--verbose", action="store_true", help="list every skip and failure with its reason")
     parser.add_argument("--loop", choices=LOOPS, default="auto",
-                        help="the machine's loop: one kernel on the CPU (auto) or the portable while loop")
+                        help="the machine's loop: one kernel on the CPU (auto), the portable while loop, or the "
+                        "Pallas GPU kernel (its interpreter on the CPU)")
+    parser.add_argument("--memory-pages", type=int, default=SPEC_MEMORY_PAGES,
+                        help="each instance's memory limit in 64 KiB pages (files that grow memory need the default)")
     args = parser.parse_args(argv)
     total: Counter = Counter()
     for wast in args.files:
-        report = run_file(wast, args.loop)
+        report = run_file(wast, args.loop, args.memory_pages)
         total.update(report.counts)
         counts = report.counts
         print(f"{report.name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
