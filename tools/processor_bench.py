@@ -253,11 +253,11 @@ def check(program: Program, runtime: str, seed: int, value: int) -> None:
         raise AssertionError(f"{program.name} on {runtime}, seed {seed}: got {value:#x}, expected {expected:#x}")
 
 
-def jaxinfer_one_slot(program: Program, wasm: bytes, max_instructions: int) -> dict:
+def jaxinfer_one_slot(program: Program, wasm: bytes, max_instructions: int, loop: str = "auto") -> dict:
     from jaxinfer.processor import run
 
     seed = seeds(1)[0]
-    limits = dict(max_instructions=max_instructions, memory_pages=program.memory_pages)
+    limits = dict(max_instructions=max_instructions, memory_pages=program.memory_pages, loop=loop)
     run(wasm, "main", program.warmup_args(seed), **limits)  # warm-up: XLA compiles the machine for this shape
     start = time.perf_counter()
     result = run(wasm, "main", program.args(seed), **limits)
@@ -268,12 +268,12 @@ def jaxinfer_one_slot(program: Program, wasm: bytes, max_instructions: int) -> d
     return rate(result.instructions, seconds)
 
 
-def jaxinfer_slots(program: Program, wasm: bytes, slots: int, max_instructions: int) -> dict:
+def jaxinfer_slots(program: Program, wasm: bytes, slots: int, max_instructions: int, loop: str = "auto") -> dict:
     from jaxinfer.processor import run_slots
 
     slot_seeds = seeds(slots)
     args = [program.args(seed) for seed in slot_seeds]
-    limits = dict(max_instructions=max_instructions, memory_pages=program.memory_pages)
+    limits = dict(max_instructions=max_instructions, memory_pages=program.memory_pages, loop=loop)
     run_slots(wasm, "main", [program.warmup_args(seed) for seed in slot_seeds], **limits)  # warm-up
     start = time.perf_counter()
     results = run_slots(wasm, "main", args, **limits)
@@ -345,8 +345,8 @@ def bench_program(program: Program, args: argparse.Namespace) -> dict:
     from jaxinfer.processor.instance import to_binary
 
     wasm = to_binary(program.wat)
-    one = jaxinfer_one_slot(program, wasm, args.max_instructions)
-    many = jaxinfer_slots(program, wasm, args.slots, args.max_instructions)
+    one = jaxinfer_one_slot(program, wasm, args.max_instructions, args.loop)
+    many = jaxinfer_slots(program, wasm, args.slots, args.max_instructions, args.loop)
     wasm_rate, plain_rate = wasmtime_rates(program, wasm, one["instructions"], args.wasmtime_min_seconds)
     return dict(size=program.size, memory_pages=program.memory_pages, results_checked=1 + args.slots + 2,
                 jaxinfer_1slot=one, **{f"jaxinfer_{args.slots}slots": many}, wasmtime=wasm_rate,
@@ -373,6 +373,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="slots of the batched jaxinfer run (default %(default)s, the issue scale)")
     p.add_argument("--programs", nargs="+", choices=["mac", "bignum"], default=["mac", "bignum"])
     p.add_argument("--max-instructions", type=int, default=2**31 - 1, help="jaxinfer fuel per slot")
+    p.add_argument("--loop", choices=["auto", "while", "pallas"], default="auto",
+                   help="the machine's loop (machine.MachineShape.loop); pallas is the GPU kernel")
     p.add_argument("--wasmtime-min-seconds", type=float, default=0.2,
                    help="wasmtime is timed over repeated calls for at least this long")
     p.add_argument("--json", metavar="PATH", help="also write the JSON result (indented) to PATH")
@@ -387,7 +389,7 @@ def bench(args: argparse.Namespace) -> dict:
     builders = {"mac": lambda: mac_program(args.mac_iterations), "bignum": lambda: bignum_program(args.bignum_digits)}
     start = time.perf_counter()
     programs = {name: bench_program(builders[name](), args) for name in args.programs}
-    report = dict(what="processor_bench", env=environment(), programs=programs,
+    report = dict(what="processor_bench", env=environment(), loop=args.loop, programs=programs,
                   instruction_count="jaxinfer: ExecResult.instructions; wasmtime: fuel consumed (Config.consume_fuel);"
                   " wasmtime_no_fuel: jaxinfer's count over wasmtime's unmetered time",
                   wall_s=round(time.perf_counter() - start, 1))
