@@ -51,16 +51,15 @@ def _kernel(steps_ref, code_ref, scalars_in, registers_in, memory_in, trace_in, 
         y = read(machine.operand_address(state.fp, record.b))
         z = read(machine.operand_address(state.fp, record.c))
         where = machine.access(state, record, x)
-        old = [memory_ref[where.address + lane] for lane in range(8)]
-        loaded = machine.assemble_load([byte.astype(U32) for byte in old], where.width, record.imm2)
+        window = pl.ds(where.address, machine.LANES)
+        old = memory_ref[window]
+        loaded = machine.assemble_load(old.astype(U32), where.width, record.imm2)
         following, value, write_index, commit = machine.execute(state, record, x, y, z, loaded,
                                                                 where.out_of_bounds, shape, select_chain)
         registers_ref[write_index, 0] = value[0]  # the scratch register when nothing is written
         registers_ref[write_index, 1] = value[1]
-        storing = where.is_store & commit
-        for lane, byte in enumerate(machine.store_bytes(y)):
-            memory_ref[where.address + lane] = jnp.where(storing & (lane < where.width), byte.astype(jnp.uint8),
-                                                         old[lane])
+        storing = where.is_store & commit & (jnp.arange(machine.LANES) < where.width)
+        memory_ref[window] = jnp.where(storing, machine.store_bytes(y), old)
         if shape.trace_entries:
             row = machine.trace_row(state, record, commit, shape)
             for column, entry in enumerate(machine.trace_entry(state, record, value)):

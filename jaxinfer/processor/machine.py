@@ -217,15 +217,19 @@ def access(state: MachineState, record: Record, x: alu.Pair) -> Access:
     return Access(is_load, is_store, width, address, out_of_bounds)
 
 
-def assemble_load(lanes: list[jax.Array], width: jax.Array, kind: jax.Array) -> alu.Pair:
-    """A load's value from the 8 bytes at its address (uint32 each): the first ``width`` of them,
-    little-endian, sign-extended when ``kind`` (LOAD's imm2) says so, the high word for i64 loads."""
-    raw = [jnp.where(lane < width, byte, U32(0)) for lane, byte in enumerate(lanes)]
-    low = raw[0] | (raw[1] << 8) | (raw[2] << 16) | (raw[3] << 24)
-    high = raw[4] | (raw[5] << 8) | (raw[6] << 16) | (raw[7] << 24)
-    top_byte = raw[0]
-    for lane in range(1, 8):
-        top_byte = jnp.where(width - 1 == lane, raw[lane], top_byte)
+LANES = 8  # bytes a load reads and a store writes from its address (the widest access)
+
+
+def assemble_load(window: jax.Array, width: jax.Array, kind: jax.Array) -> alu.Pair:
+    """A load's value from the bytes at its address (``window`` [..., 8], uint32): the first ``width``
+    of them, little-endian, sign-extended when ``kind`` (LOAD's imm2) says so, the high word for i64
+    loads. Lanes combine by sums of disjoint bits, which Triton lowers and XLA vectorizes."""
+    lanes = jnp.arange(LANES, dtype=jnp.int32)
+    raw = jnp.where(lanes < width[..., None], window, U32(0))
+    shifted = raw << (U32(8) * (lanes % 4).astype(U32))
+    low = jnp.sum(jnp.where(lanes < 4, shifted, U32(0)), axis=-1, dtype=U32)
+    high = jnp.sum(jnp.where(lanes >= 4, shifted, U32(0)), axis=-1, dtype=U32)
+    top_byte = jnp.sum(jnp.where(lanes == width[..., None] - 1, raw, U32(0)), axis=-1, dtype=U32)
     extend = ((kind & LOAD_SIGNED) != 0) & ((top_byte >> 7) == 1)
     bits = (width * 8).astype(U32)
     low = jnp.where(extend & (bits < 32), low | alu.shift_left_word(U32(0xFFFFFFFF), bits), low)
@@ -234,19 +238,21 @@ def assemble_load(lanes: list[jax.Array], width: jax.Array, kind: jax.Array) -> 
     return low, jnp.where((kind & LOAD_WIDE) != 0, high, U32(0))
 
 
-def store_bytes(y: alu.Pair) -> list[jax.Array]:
-    """The 8 bytes (uint32 each) a store of ``y`` writes from its address, of which it keeps its width."""
-    return [(y[lane // 4] >> U32(8 * (lane % 4))) & U32(0xFF) for lane in range(8)]
+def store_bytes(y: alu.Pair) -> jax.Array:
+    """The bytes [..., 8] (uint8) a store of ``y`` writes from its address, of which it keeps its width."""
+    lanes = jnp.arange(LANES, dtype=jnp.int32)
+    word = jnp.where(lanes < 4, y[0][..., None], y[1][..., None])
+    return ((word >> (U32(8) * (lanes % 4).astype(U32))) & U32(0xFF)).astype(jnp.uint8)
 
 
 def _memory_access(state: MachineState, record: Record, x: alu.Pair, y: alu.Pair, executing: jax.Array):
     """Loads and stores over all slots: the loaded value, the store's pending write (address, 8-byte
     window), and whether the access was out of bounds."""
     where = access(state, record, x)
-    lanes = jnp.arange(8, dtype=jnp.int32)
+    lanes = jnp.arange(LANES, dtype=jnp.int32)
     old = jnp.take_along_axis(state.memory, where.address[:, None] + lanes[None, :], axis=1)
-    loaded = assemble_load([old[:, lane].astype(U32) for lane in range(8)], where.width, record.imm2)
-    stored = jnp.stack(store_bytes(y), axis=1).astype(jnp.uint8)
+    loaded = assemble_load(old.astype(U32), where.width, record.imm2)
+    stored = store_bytes(y)
     in_width = lanes[None, :] < where.width[:, None]
     writing = (where.is_store & executing & ~where.out_of_bounds)[:, None] & in_width
     return loaded, (where.address, jnp.where(writing, stored, old)), where.out_of_bounds
