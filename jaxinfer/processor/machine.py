@@ -10,7 +10,8 @@ branch-free code, so slots running different programs share one loop. The only r
 with a small ``steps``; the host API calls it with a large one.
 
 On the CPU the loop is compiled as a single kernel (``_advance_one_kernel``); on accelerators, or
-with ``MachineShape.loop == "while"``, it is a plain ``lax.while_loop``. Both run the same ``step``.
+with ``MachineShape.loop == "while"``, it is a plain ``lax.while_loop``; with ``loop == "pallas"`` it
+is the Pallas GPU kernel of ``gpu_kernel.py``. Every form runs each record through ``execute``.
 """
 
 from __future__ import annotations
