@@ -124,9 +124,8 @@ class LLM:
         self.dtype = resolve_dtype(cfg.dtype)
         checkpoint = resolve(model)
         gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
-        backend = make_backend(
-            cfg.attention_backend, block_tokens=cfg.attention_block_tokens, query_tile=cfg.attention_query_tile
-        )
+        backend = make_backend(cfg.attention_backend, block_tokens=cfg.attention_block_tokens,
+                               query_tile=cfg.attention_query_tile, model_parallel=self.mesh.shape["model"])
         meshes = replica_meshes(self.mesh)
         loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file)
         self.model_config = loaded.config

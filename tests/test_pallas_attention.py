@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, make_backend
+from jaxinfer.errors import ConfigError
+from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, backend_name, make_backend
 from jaxinfer.layers.pallas_attention import PallasGpuAttention
 
 HEAD_DIM = 32
@@ -88,6 +89,10 @@ def test_backend_names() -> None:
     assert isinstance(make_backend("reference", block_tokens=128, query_tile=16), ReferenceAttention)
     # auto picks by the platform: the reference backend on this CPU
     assert isinstance(make_backend("auto", block_tokens=128, query_tile=16), ReferenceAttention)
+    # the kernel is not split over kv heads yet: a model axis of several devices keeps the reference
+    assert backend_name("auto", model_parallel=2) == "reference"
+    with pytest.raises(ConfigError, match="pallas_gpu runs on one device per model replica"):
+        make_backend("pallas_gpu", block_tokens=128, query_tile=16, model_parallel=2)
 
 
 @pytest.mark.parametrize("group", [1, 8])

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer.errors import ConfigError
+
 NEG_INF = -1e30
 
 
@@ -167,13 +169,19 @@ BACKENDS = ("auto", "reference", "pallas_gpu")
 AUTO_BACKEND = {"gpu": "pallas_gpu"}  # by jax.default_backend(); other platforms use the reference
 
 
-def backend_name(name: str) -> str:
-    """The backend a setting means here: ``auto`` picks by the platform (the Pallas kernel on GPUs)."""
-    return AUTO_BACKEND.get(jax.default_backend(), "reference") if name == "auto" else name
+def backend_name(name: str, model_parallel: int = 1) -> str:
+    """The backend a setting means here: ``auto`` picks by the platform (the Pallas kernel on GPUs,
+    where the model axis is one device: the kernel is not yet split over kv heads with shard_map)."""
+    if name != "auto":
+        return name
+    return "reference" if model_parallel > 1 else AUTO_BACKEND.get(jax.default_backend(), "reference")
 
 
-def make_backend(name: str, *, block_tokens: int, query_tile: int) -> AttentionBackend:
-    name = backend_name(name)
+def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1) -> AttentionBackend:
+    name = backend_name(name, model_parallel)
+    if name == "pallas_gpu" and model_parallel > 1:
+        raise ConfigError(f"engine.attention_backend = pallas_gpu runs on one device per model replica; the "
+                          f"mesh's model axis has {model_parallel} (use reference, or engine.mesh_model = 1)")
     if name == "reference":
         return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
     if name == "pallas_gpu":

@@ -38,7 +38,7 @@ def select_chain(op: jax.Array, *cases: jax.Array) -> jax.Array:
 
 
 def _kernel(steps_ref, code_ref, scalars_in, registers_in, memory_in, trace_in, scalars_ref, registers_ref,
-            memory_ref, trace_ref, *, shape: machine.MachineShape) -> None:
+            memory_ref, trace_ref, *, shape: machine.MachineShape, interpret: bool) -> None:
     del scalars_in, registers_in, memory_in, trace_in  # aliased by the outputs, read and written in place
 
     def read(index: jax.Array) -> alu.Pair:
@@ -65,6 +65,8 @@ def _kernel(steps_ref, code_ref, scalars_in, registers_in, memory_in, trace_in, 
             for column, entry in enumerate(machine.trace_entry(state, record, value)):
                 trace_ref[row, column] = entry
             following = following._replace(traced=state.traced + (row < shape.trace_entries))
+        if not interpret:  # the next record may read what this one wrote, through other threads of the
+            pl_triton.debug_barrier()  # program: Triton orders their global memory only at a barrier
         return iteration + 1, following
 
     def keep_going(carry):
@@ -89,7 +91,7 @@ def advance(state: machine.MachineState, code: jax.Array, steps: jax.Array, shap
 
     arrays = (scalars, registers, memory, trace)
     scalars, registers, memory, trace = pl.pallas_call(
-        functools.partial(_kernel, shape=shape),
+        functools.partial(_kernel, shape=shape, interpret=interpret),
         grid=(shape.slots,),
         in_specs=[pl.BlockSpec((1,), lambda slot: (0,)), per_slot(code), *map(per_slot, arrays)],
         out_specs=list(map(per_slot, arrays)),

@@ -119,9 +119,10 @@ def _bucket(value: int, minimum: int) -> int:
 
 
 def _memory_capacity(program: Program, memory_pages: int) -> int:
-    """Pages an instance can ever use: none without a memory, else up to the limit or the module's maximum."""
+    """Pages an instance's memory holds: one without a memory (never in bounds), else up to the limit or
+    the module's maximum."""
     if not program.memory:
-        return 0
+        return 1
     maximum = program.memory[1]
     return memory_pages if maximum is None else min(memory_pages, maximum)
 
