@@ -14,6 +14,8 @@ from jaxinfer.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
+EXEC_LOOPS = ("auto", "while", "pallas")  # processor.machine.MachineShape.loop
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu")  # layers.attention.make_backend
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,8 @@ class EngineConfig:
             raise ConfigError(f"engine.num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_confidence <= 1.0:
             raise ConfigError(f"engine.draft_confidence must be in [0, 1], got {self.draft_confidence}")
-        if self.exec_loop not in ("auto", "while", "pallas"):
-            raise ConfigError(f"engine.exec_loop must be auto, while or pallas, got {self.exec_loop!r}")
+        if self.exec_loop not in EXEC_LOOPS:
+            raise ConfigError(f"engine.exec_loop must be one of {', '.join(EXEC_LOOPS)}, got {self.exec_loop!r}")
         if self.exec_steps_per_step < 0:
             raise ConfigError(f"engine.exec_steps_per_step must be 0 (by platform) or positive, got "
                               f"{self.exec_steps_per_step}")
@@ -239,8 +241,8 @@ class EngineConfig:
         if not 0 <= self.exec_slots <= 1024:
             raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
         self._check_lora()
-        if self.attention_backend not in ("auto", "reference", "pallas_gpu"):
-            raise ConfigError(f"engine.attention_backend must be auto, reference or pallas_gpu, got "
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ConfigError(f"engine.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                               f"{self.attention_backend!r}")
 
     def _check_lora(self) -> None:

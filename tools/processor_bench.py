@@ -43,6 +43,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from jaxinfer.config import EXEC_LOOPS
+
 MASK64 = (1 << 64) - 1
 LCG_X = (6364136223846793005, 1442695040888963407)  # Knuth's MMIX 64-bit LCG
 LCG_Y = (2862933555777941757, 3037000493)
@@ -373,7 +375,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="slots of the batched jaxinfer run (default %(default)s, the issue scale)")
     p.add_argument("--programs", nargs="+", choices=["mac", "bignum"], default=["mac", "bignum"])
     p.add_argument("--max-instructions", type=int, default=2**31 - 1, help="jaxinfer fuel per slot")
-    p.add_argument("--loop", choices=["auto", "while", "pallas"], default="auto",
+    p.add_argument("--loop", choices=EXEC_LOOPS, default="auto",
                    help="the machine's loop (machine.MachineShape.loop); pallas is the GPU kernel")
     p.add_argument("--wasmtime-min-seconds", type=float, default=0.2,
                    help="wasmtime is timed over repeated calls for at least this long")

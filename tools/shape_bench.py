@@ -48,10 +48,6 @@ SHAPES = {
 }
 
 
-def emit(record: dict) -> None:
-    print(json.dumps(record), flush=True)
-
-
 def shape_folder(shape: str, directory: Path, tokenizer: Path = LLAMA3_TOKENIZER) -> Path:
     """A checkpoint folder of kind ``random`` for ``shape``."""
     if not tokenizer.exists():
@@ -90,12 +86,11 @@ def ceilings(dtype, on_cpu: bool) -> dict:
 
 def model_bytes_and_flops(llm) -> tuple[int, int]:
     """Bytes a decode step reads from the weights (not the embedding table) and matmul FLOPs per token."""
-    from flax import nnx
+    from jaxinfer.weights.loader import parameters
 
     weight_bytes, matmul_params = 0, 0
-    for path, value in nnx.to_flat_state(nnx.state(llm.runner.model, nnx.Param)):
-        name = ".".join(map(str, path))
-        array = value.get_value() if hasattr(value, "get_value") else value.value
+    for name, param in parameters(llm.runner.model).items():
+        array = param.get_value()
         if "embed_tokens" in name and not llm.model_config.tie_word_embeddings:
             continue
         weight_bytes += array.nbytes
@@ -104,9 +99,10 @@ def model_bytes_and_flops(llm) -> tuple[int, int]:
     return weight_bytes, 2 * matmul_params
 
 
-def decode_floor(llm, batch: int, context: float, ceiling: dict) -> dict:
+def decode_floor(llm, batch: int, context: float, ceiling: dict, weights: tuple[int, int]) -> dict:
+    """The roofline floor of one decode step; ``weights``: ``model_bytes_and_flops(llm)``."""
     m = llm.model_config
-    weight_bytes, flops_per_token = model_bytes_and_flops(llm)
+    weight_bytes, flops_per_token = weights
     itemsize = np.dtype(llm.dtype).itemsize
     kv_bytes = batch * context * m.num_layers * m.num_kv_heads * m.head_dim * 2 * itemsize
     attention_flops = 4 * batch * context * m.num_layers * m.num_heads * m.head_dim
@@ -116,8 +112,8 @@ def decode_floor(llm, batch: int, context: float, ceiling: dict) -> dict:
                 compute_floor_ms=round(compute_ms, 3), weight_bytes=weight_bytes, kv_bytes=int(kv_bytes))
 
 
-def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict) -> None:
-    from bench import exact, fresh_engine, random_prompts, timed_generate
+def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict, weights: tuple[int, int]) -> None:
+    from bench import emit, exact, fresh_engine, random_prompts, timed_generate
 
     prompts = random_prompts(llm, [args.in_len] * batch, seed=batch)
     fresh_engine(llm, prefix_caching=False).generate([llm.request(p, exact(2)) for p in prompts])  # warm buckets
@@ -126,7 +122,7 @@ def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict) -> No
     engine = fresh_engine(llm, prefix_caching=False)
     total_s, _ = timed_generate(engine, [llm.request(p, exact(1 + args.decode_tokens)) for p in prompts])
     step_ms = (total_s - prefill_s) / args.decode_tokens * 1e3
-    floor = decode_floor(llm, batch, args.in_len + args.decode_tokens / 2, ceiling)
+    floor = decode_floor(llm, batch, args.in_len + args.decode_tokens / 2, ceiling, weights)
     emit(dict(what="jaxinfer_decode_step", shape=args.shape, batch=batch, in_len=args.in_len,
               decode_tokens=args.decode_tokens, ms_per_step=round(step_ms, 3),
               tok_per_s=round(batch / step_ms * 1e3, 1),
@@ -135,7 +131,7 @@ def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict) -> No
 
 
 def bench_offline(llm, requests: int, in_len: int, out_len: int, args: argparse.Namespace) -> None:
-    from bench import exact, fresh_engine, random_prompts, timed_generate
+    from bench import emit, exact, fresh_engine, random_prompts, timed_generate
 
     prompts = random_prompts(llm, [in_len] * requests, seed=in_len)
     fresh_engine(llm, prefix_caching=False).generate([llm.request(p, exact(2)) for p in prompts[: llm.config.max_seqs]])
@@ -166,6 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def bench(args: argparse.Namespace) -> None:
     import jax
+    from bench import emit
 
     from jaxinfer import LLM
     from jaxinfer.layers.attention import backend_name
@@ -186,7 +183,8 @@ def bench(args: argparse.Namespace) -> None:
         ceiling = ceilings(llm.dtype, on_cpu)
         emit(dict(what="ceilings", matmul_tflops=round(ceiling["matmul_flops"] / 1e12, 3),
                   copy_tb_per_s_rw=round(ceiling["copy_bytes_per_s"] / 1e12, 3)))
+        weights = model_bytes_and_flops(llm)
         for batch in args.batch:
-            bench_decode(llm, batch, args, ceiling)
+            bench_decode(llm, batch, args, ceiling, weights)
         for requests, in_len, out_len in args.offline:
             bench_offline(llm, requests, in_len, out_len, args)

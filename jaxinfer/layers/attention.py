@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer.config import ATTENTION_BACKENDS
 from jaxinfer.errors import ConfigError
 
 NEG_INF = -1e30
@@ -165,7 +166,6 @@ class _BlockAttention:
         return jnp.swapaxes(acc / denom[..., None], 0, 1)
 
 
-BACKENDS = ("auto", "reference", "pallas_gpu")
 AUTO_BACKEND = {"gpu": "pallas_gpu"}  # by jax.default_backend(); other platforms use the reference
 
 
@@ -188,7 +188,7 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
         from jaxinfer.layers.pallas_attention import PallasGpuAttention
 
         return PallasGpuAttention(block_tokens=block_tokens)
-    raise ValueError(f"unknown attention backend {name!r}")
+    raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,12 +27,13 @@ import numpy as np
 from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
+from jaxinfer.config import EXEC_LOOPS
 from jaxinfer.processor import alu
 from jaxinfer.processor.isa import ABSOLUTE, FIELD, LOAD_SIGNED, LOAD_WIDE, NO_WRITE, Op, Status, Trap
 
 PAGE_BYTES = 65536
 U32 = jnp.uint32
-LOOPS = ("auto", "while", "pallas")
+LOOPS = EXEC_LOOPS
 
 
 @dataclass(frozen=True)
