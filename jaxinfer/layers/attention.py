@@ -59,15 +59,19 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+class PagedWrite:
+    """``write`` for backends over the page-pool layout: new K/V go to their slots by scatter."""
+
+    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
+        return write_pages(cache, new, meta.write_slots)
+
+
 @dataclasses.dataclass(frozen=True)
-class ReferenceAttention:
+class ReferenceAttention(PagedWrite):
     """Gather-based paged attention in plain JAX; exact (float32 softmax) and backend-neutral."""
 
     block_tokens: int = 128
     query_tile: int = 16
-
-    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        return write_pages(cache, new, meta.write_slots)
 
     def attend(
         self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float
