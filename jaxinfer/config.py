@@ -15,7 +15,8 @@ from jaxinfer.errors import ConfigError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
 EXEC_LOOPS = ("auto", "while", "pallas")  # processor.machine.MachineShape.loop
-ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu")  # layers.attention.make_backend
+# layers.attention.make_backend
+ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "ragged_reference")
 
 
 @dataclass(frozen=True)
@@ -161,7 +162,7 @@ class EngineConfig:
     max_seqs: int = 32  # sequences in flight at once
     max_model_len: int = 0  # 0: the model's context length, capped at 8192
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu
+    attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu | pallas_tpu | ragged_reference
     attention_block_tokens: int = 128  # keys visited per attention loop iteration
     attention_query_tile: int = 16  # queries that share one gather when they belong to one sequence
     mesh_data: int = 1

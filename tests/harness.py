@@ -11,8 +11,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.layers.attention import AttentionMetadata
-from jaxinfer.models import KVCache, LlamaForCausalLM
-from jaxinfer.models.llama import kv_cache_shape
+from jaxinfer.models import LlamaForCausalLM
 
 
 class PagedForward:
@@ -20,13 +19,10 @@ class PagedForward:
 
     def __init__(self, model: LlamaForCausalLM, page_size: int = 8, num_pages: int = 64, max_pages: int = 32, seed=0,
                  adapter_slot: int | None = None):
-        cfg = model.config
         self.adapter_slot = adapter_slot  # a LoRA slot for every token (None: the model without adapters)
         self.page_size, self.max_pages = page_size, max_pages
         self.graphdef, self.state = nnx.split(model)
-        shape = kv_cache_shape(cfg, num_pages, page_size)
-        self.caches = tuple(KVCache(jnp.zeros(shape, model.dtype), jnp.zeros(shape, model.dtype))
-                            for _ in range(cfg.num_layers))
+        self.caches = model.empty_caches(num_pages, page_size)
         order = np.random.default_rng(seed).permutation(np.arange(1, num_pages))
         self.pages = order[:max_pages].astype(np.int32)  # non-contiguous, never the null page
         self._fn = jax.jit(self._forward, static_argnums=0)

@@ -120,8 +120,7 @@ def build_model(checkpoint: str, rank: int, seed: int):
 
 
 def set_length(model, length: int) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.backend = DenseAttention(length)
+    model.set_attention(DenseAttention(length))
 
 
 def make_step(graphdef, optimizer):

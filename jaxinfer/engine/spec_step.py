@@ -26,7 +26,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.spec import propose, verify
 from jaxinfer.engine.step import HostBatch, ModelRunner, StepInputs
 from jaxinfer.errors import ConfigError
-from jaxinfer.models import KVCache, LlamaForCausalLM
+from jaxinfer.models import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class SpecRunner:
             raise ConfigError(f"engine.num_draft_tokens must be at least 1 with a draft model, got {num_draft_tokens}")
         self.target, self.draft_cfg, self.k = target, draft_cfg, num_draft_tokens
         self.graphdef, self.state = nnx.split(draft)
-        self.caches: tuple[KVCache, ...] = target.allocate_caches(draft_cfg, draft.dtype)
+        self.caches = draft.empty_caches(target.cfg.num_pages, target.cfg.page_size, target.mesh)
         max_seqs, vocab = target.cfg.max_seqs, draft_cfg.vocab_size
         self._no_probs = jax.device_put(np.zeros((max_seqs, vocab), np.float32), target.replicated)
         # Proposals feed later calls compiled for replicated inputs: pin them replicated (with a

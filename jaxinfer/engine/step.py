@@ -36,9 +36,8 @@ from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
 from jaxinfer.kv.tiers import HostPage, TieredPages
 from jaxinfer.layers.attention import AttentionMetadata
-from jaxinfer.models import KVCache, LlamaForCausalLM
-from jaxinfer.models.llama import KV_CACHE_AXES, kv_cache_shape
-from jaxinfer.parallel import named_sharding
+from jaxinfer.layers.kv_layout import KVLayout
+from jaxinfer.models import LlamaForCausalLM
 from jaxinfer.parallel.lockstep import Leader
 from jaxinfer.processor.unit import ExecReport, ExecUnit
 from jaxinfer.weights.adapter_file import AdapterWeights
@@ -127,22 +126,19 @@ def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs, m
 TIER_CHUNK = 8  # pages per export/import call: one shape, so one compile each
 
 
-def _export(caches, pages: jax.Array) -> jax.Array:
-    """Pages of every layer -> [pages, layers, 2, kv_heads, page_size, head_dim]."""
-    per_layer = jnp.stack([jnp.stack([c.k[:, pages], c.v[:, pages]]) for c in caches])
-    return jnp.moveaxis(per_layer, 3, 0)
+def _export(layout: KVLayout, caches, pages: jax.Array) -> jax.Array:
+    """Pages of every layer -> [pages, layers, 2, kv_heads, page_size, head_dim] (the layouts' neutral form)."""
+    return jnp.stack([layout.export(c, pages) for c in caches], axis=1)
 
 
-def _import(caches, pages: jax.Array, data: jax.Array):
-    """Writes [pages, layers, 2, kv_heads, page_size, head_dim] into the pools (padding rows hit page 0)."""
-    data = jnp.moveaxis(data, 0, 3).astype(caches[0].k.dtype)  # [layers, 2, kv_heads, pages, ...]
-    return tuple(KVCache(c.k.at[:, pages].set(data[i, 0]), c.v.at[:, pages].set(data[i, 1]))
-                 for i, c in enumerate(caches))
+def _import(layout: KVLayout, caches, pages: jax.Array, data: jax.Array):
+    """Writes [pages, layers, 2, kv_heads, page_size, head_dim] into the caches (padding rows hit page 0)."""
+    return tuple(layout.import_pages(c, pages, data[:, i]) for i, c in enumerate(caches))
 
 
-def _import_rows(device_sharding, caches, group: jax.Array, rows: jax.Array, pages: jax.Array):
+def _import_rows(layout: KVLayout, device_sharding, caches, group: jax.Array, rows: jax.Array, pages: jax.Array):
     """Writes rows of a host group (pinned host memory) into device pages: one host-to-device copy."""
-    return _import(caches, pages, jax.device_put(group, device_sharding)[rows])
+    return _import(layout, caches, pages, jax.device_put(group, device_sharding)[rows])
 
 
 def host_pages(groups: list[jax.Array]) -> list[HostPage]:
@@ -161,7 +157,7 @@ class ModelRunner:
                          if cfg.max_adapters else None)
         self.graphdef, self.state = nnx.split(model)
         self.max_pages_per_seq = cfg.max_pages_per_seq(model_cfg)
-        self.caches = self.allocate_caches(model_cfg, model.dtype)
+        self.caches = model.empty_caches(cfg.num_pages, cfg.page_size, mesh)
         # The host's record of the device pages: one per KV pool, shared by every engine on it.
         self.pool = PrefixCachingPool(cfg.num_pages)
         self.replicated = NamedSharding(mesh, PartitionSpec())
@@ -174,8 +170,8 @@ class ModelRunner:
         exec_fn = self.exec_unit.step_function if self.exec_unit is not None else None
         self._jitted = jax.jit(functools.partial(_step, exec_fn=exec_fn), static_argnums=0,
                                donate_argnums=(2, 5) if exec_fn is not None else (2,))
-        self._export_fn = jax.jit(_export)
-        self._import_fn = jax.jit(_import, donate_argnums=(0,))
+        self._export_fn = jax.jit(functools.partial(_export, model.kv_layout))
+        self._import_fn = jax.jit(functools.partial(_import, model.kv_layout), donate_argnums=(0,))
         self._import_rows_fn = None  # set by `warmup_tiers` where the platform has pinned host memory
         # Lower KV tiers for pages the pool evicts. Evicted pages are copied out before the next
         # step of any engine on this runner is dispatched, so no step can overwrite them first.
@@ -190,13 +186,6 @@ class ModelRunner:
         self._dispatched = 0
 
     # -- device state -----------------------------------------------------------------------
-    def allocate_caches(self, m: ModelConfig, dtype: jnp.dtype) -> tuple[KVCache, ...]:
-        """Zeroed KV pools for model `m` (the target's, or a draft's) over this runner's page ids."""
-        shape = kv_cache_shape(m, self.cfg.num_pages, self.cfg.page_size)
-        sharding = named_sharding(shape, KV_CACHE_AXES, self.mesh)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        return tuple(KVCache(zeros(), zeros()) for _ in range(m.num_layers))
-
     # -- LoRA adapters -------------------------------------------------------------------------
     def load_adapter(self, name: str, source: str = "", read: ReadAdapter | None = None) -> AdapterInfo:
         """Loads an adapter into a free slot (engine.max_adapters > 0); the step is not recompiled.
@@ -397,8 +386,10 @@ class ModelRunner:
         if self._import_rows_fn is None and self._has_pinned_host():
             probe = self._export_fn(self.caches, jax.device_put(np.zeros(TIER_CHUNK, np.int32), self.replicated))
             device = probe.sharding
-            self._export_fn = jax.jit(_export, out_shardings=device.with_memory_kind("pinned_host"))
-            self._import_rows_fn = jax.jit(functools.partial(_import_rows, device), donate_argnums=(0,))
+            self._export_fn = jax.jit(functools.partial(_export, self.model.kv_layout),
+                                      out_shardings=device.with_memory_kind("pinned_host"))
+            self._import_rows_fn = jax.jit(functools.partial(_import_rows, self.model.kv_layout, device),
+                                           donate_argnums=(0,))
         for group in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
             self.import_pages([(0, HostPage(group, 0))])
             self.import_pages([(0, np.zeros(group.shape[1:], group.dtype))])

@@ -1,13 +1,16 @@
 """Paged attention over a ragged batch: the metadata the step passes, and the backends.
 
-The KV cache of one layer is a pair of page pools `[kv_heads, num_pages, page_size, head_dim]`.
+Each backend names the layout of a layer's KV cache (`layers.kv_layout`). The reference and GPU
+backends use a pair of page pools `[kv_heads, num_pages, page_size, head_dim]` (`SplitPages`).
 Heads come first so that a gathered block, `[kv_heads, (tokens,) pages, page_size, head_dim]`, is
 already in the layout of the batched attention matmuls (batch dims leading) and is not transposed
 after the gather. On the CPU this made prefill attention 1.6-1.8x faster than pages-first (decode
 15-25% slower) and the offline benchmark 25% faster; positions before heads was about 9x slower.
 Page 0 is the null page: padding tokens write there and nothing real is ever read from it.
 
-A batch is a flat array of T tokens from up to S sequences; each sequence's tokens are contiguous.
+A batch is a flat array of T tokens from up to S sequences; each sequence's tokens are contiguous,
+at consecutive positions, in row order. Padding tokens follow the real ones: they carry the last
+real row and position 0 and write to the null page.
 `ReferenceAttention` works on the CPU (and anywhere): it walks the tokens in tiles, and the keys of
 each tile in blocks of pages with an online softmax, so memory stays bounded for long contexts. A
 tile whose tokens all belong to one sequence (a prefill chunk) gathers each key block once; a mixed
@@ -18,7 +21,7 @@ same `AttentionBackend` protocol and plug in without touching the model.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ from jax import lax
 
 from jaxinfer.config import ATTENTION_BACKENDS
 from jaxinfer.errors import ConfigError
+from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
 
 NEG_INF = -1e30
 
@@ -42,40 +46,35 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
-    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array: ...
+    """Attention over one layer's paged cache; the backend decides the cache's layout (`layers.kv_layout`)."""
 
-    def attend(
-        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float
-    ) -> jax.Array: ...
+    def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> KVLayout: ...
 
-
-def write_pages(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
-    """Scatters new [T, kv_heads, head_dim] into cache [kv_heads, pages, page_size, head_dim]."""
-    page_size = cache.shape[2]
-    return cache.at[:, slots // page_size, slots % page_size, :].set(jnp.swapaxes(new, 0, 1).astype(cache.dtype))
+    def attend(self, q: jax.Array, cache: Any, meta: AttentionMetadata, scale: float, layout: KVLayout) -> jax.Array:
+        """Attention of the batch's queries [T, heads, head_dim] over `cache` (laid out by `layout`)."""
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
-class PagedWrite:
-    """``write`` for backends over the page-pool layout: new K/V go to their slots by scatter."""
+class SplitLayout:
+    """For backends that read separate K and V pools, heads first (`kv_layout.SplitPages`)."""
 
-    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        return write_pages(cache, new, meta.write_slots)
+    def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> SplitPages:
+        return SplitPages(kv_heads, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceAttention(PagedWrite):
+class ReferenceAttention(SplitLayout):
     """Gather-based paged attention in plain JAX; exact (float32 softmax) and backend-neutral."""
 
     block_tokens: int = 128
     query_tile: int = 16
 
-    def attend(
-        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float
-    ) -> jax.Array:
+    def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
+               layout: KVLayout | None = None) -> jax.Array:
+        k_cache, v_cache = cache
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, page_size = k_cache.shape[0], k_cache.shape[2]
         group = num_heads // kv_heads
@@ -170,12 +169,13 @@ class _BlockAttention:
         return jnp.swapaxes(acc / denom[..., None], 0, 1)
 
 
-AUTO_BACKEND = {"gpu": "pallas_gpu"}  # by jax.default_backend(); other platforms use the reference
+AUTO_BACKEND = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}  # by jax.default_backend(); else the reference
+KERNEL_BACKENDS = ("pallas_gpu", "pallas_tpu")  # one device per model replica: not yet shard_mapped over kv heads
 
 
 def backend_name(name: str, model_parallel: int = 1) -> str:
-    """The backend a setting means here: ``auto`` picks by the platform (the Pallas kernel on GPUs,
-    where the model axis is one device: the kernel is not yet split over kv heads with shard_map)."""
+    """The backend a setting means here: ``auto`` picks by the platform (the platform's Pallas kernel
+    where the model axis is one device: the kernels are not yet split over kv heads with shard_map)."""
     if name != "auto":
         return name
     return "reference" if model_parallel > 1 else AUTO_BACKEND.get(jax.default_backend(), "reference")
@@ -183,8 +183,8 @@ def backend_name(name: str, model_parallel: int = 1) -> str:
 
 def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1) -> AttentionBackend:
     name = backend_name(name, model_parallel)
-    if name == "pallas_gpu" and model_parallel > 1:
-        raise ConfigError(f"engine.attention_backend = pallas_gpu runs on one device per model replica; the "
+    if name in KERNEL_BACKENDS and model_parallel > 1:
+        raise ConfigError(f"engine.attention_backend = {name} runs on one device per model replica; the "
                           f"mesh's model axis has {model_parallel} (use reference, or engine.mesh_model = 1)")
     if name == "reference":
         return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
@@ -192,6 +192,10 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
         from jaxinfer.layers.pallas_attention import PallasGpuAttention
 
         return PallasGpuAttention(block_tokens=block_tokens)
+    if name in ("pallas_tpu", "ragged_reference"):
+        from jaxinfer.layers.ragged_attention import RaggedPagedAttention
+
+        return RaggedPagedAttention.tpu_kernel() if name == "pallas_tpu" else RaggedPagedAttention.plain_jax()
     raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
 
 
@@ -199,15 +203,17 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
 class DenseAttention:
     """Causal attention over each sequence's own tokens with no KV cache, for training (tools/train_draft.py).
 
-    `write` hands the new keys/values through; `attend` treats the flat tokens as `batch` contiguous
-    sequences of `seq_len` tokens."""
+    Its "cache" is the step's own keys and values (`PassThrough`); `attend` treats the flat tokens as
+    `batch` contiguous sequences of `seq_len` tokens."""
 
     seq_len: int
 
-    def write(self, cache: jax.Array, new: jax.Array, meta: AttentionMetadata) -> jax.Array:
-        return new
+    def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> PassThrough:
+        return PassThrough()
 
-    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, meta: AttentionMetadata, scale: float) -> jax.Array:
+    def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
+               layout: KVLayout | None = None) -> jax.Array:
+        k, v = cache
         tokens, heads, dim = q.shape
         kv_heads, length = k.shape[1], self.seq_len
         q = q.reshape(tokens // length, length, kv_heads, heads // kv_heads, dim)
@@ -218,3 +224,10 @@ class DenseAttention:
         weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
         out = jnp.einsum("bhgqk,bkhd->bqhgd", weights.astype(v.dtype), v)
         return out.reshape(tokens, heads, dim)
+
+
+class PassThrough:
+    """The layout of `DenseAttention`: no pages, the new keys and values are the cache."""
+
+    def update(self, cache: Any, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
+        return KVCache(k, v)

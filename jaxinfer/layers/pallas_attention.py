@@ -8,7 +8,7 @@ softmax in float32. Causality comes from positions: a token sees the keys at pos
 own, so prefill chunks, decode tokens and speculative verification tokens all take the same path.
 
 The cache layout is the reference backend's, ``[kv_heads, num_pages, page_size, head_dim]`` per
-layer, so the two backends are interchangeable; ``write`` is the same scatter (``PagedWrite``). With
+layer (``kv_layout.SplitPages``), so the two backends are interchangeable. With
 ``interpret=True`` the kernel runs on the CPU through Pallas's interpreter (the tests do that).
 """
 
@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, PagedWrite
+from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout
+from jaxinfer.layers.kv_layout import KVCache, KVLayout
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
 
@@ -59,15 +60,15 @@ def _kernel(rows_ref, positions_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref,
 
 
 @dataclasses.dataclass(frozen=True)
-class PallasGpuAttention(PagedWrite):
+class PallasGpuAttention(SplitLayout):
     """The ``AttentionBackend`` of GPUs: ragged paged attention in one Pallas kernel per layer."""
 
     block_tokens: int = 128
     interpret: bool = False  # run through Pallas's interpreter (CPU tests)
 
-    def attend(
-        self, q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float
-    ) -> jax.Array:
+    def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
+               layout: KVLayout | None = None) -> jax.Array:
+        k_cache, v_cache = cache
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, num_pages, page_size, _ = k_cache.shape
         group = num_heads // kv_heads

@@ -8,16 +8,16 @@ tokens, their attention metadata and the per-layer paged KV caches to hidden sta
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
 from jaxinfer.layers.basic import Embed, Linear, RMSNorm
+from jaxinfer.layers.kv_layout import KVLayout, LayerCache
 from jaxinfer.layers.lora import ZerosFn, slot_one_hot
 from jaxinfer.layers.rope import apply_rope, inverse_frequencies
 from jaxinfer.parallel.mesh import named_sharding
@@ -31,21 +31,6 @@ def _pad_param(param: nnx.Param, pad: tuple[tuple[int, int], ...]) -> None:
     if isinstance(sharding, NamedSharding):
         sharding = named_sharding(grown.shape, param.logical_axes, sharding.mesh)
     param.set_value(jax.device_put(grown, sharding))
-
-
-class KVCache(NamedTuple):
-    """One layer's page pools, each [kv_heads, num_pages, page_size, head_dim]."""
-
-    k: jax.Array
-    v: jax.Array
-
-
-KV_CACHE_AXES = ("kv_heads", "pages", "page_slot", "head_dim")
-
-
-def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
-    """The shape of one layer's K (or V) page pool, in the order of KV_CACHE_AXES."""
-    return (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
 
 class Attention(nnx.Module):
@@ -63,10 +48,11 @@ class Attention(nnx.Module):
             self.q_norm = self.k_norm = None
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
         self.backend = backend
+        self.kv_layout = backend.layout_for(kv, d, dtype)
 
     def __call__(
-        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
-    ) -> tuple[jax.Array, KVCache]:
+        self, x: jax.Array, cache: LayerCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
+    ) -> tuple[jax.Array, LayerCache]:
         t = x.shape[0]
         q = self.q_proj(x, lora).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x, lora).reshape(t, self.num_kv_heads, self.head_dim)
@@ -75,8 +61,8 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, meta.positions, inv_freq)
         k = apply_rope(k, meta.positions, inv_freq)
-        cache = KVCache(self.backend.write(cache.k, k, meta), self.backend.write(cache.v, v, meta))
-        out = self.backend.attend(q, cache.k, cache.v, meta, self.head_dim**-0.5)
+        cache = self.kv_layout.update(cache, k, v, meta.write_slots)
+        out = self.backend.attend(q, cache, meta, self.head_dim**-0.5, self.kv_layout)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), lora), cache
 
 
@@ -99,8 +85,8 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(
-        self, x: jax.Array, cache: KVCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
-    ) -> tuple[jax.Array, KVCache]:
+        self, x: jax.Array, cache: LayerCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
+    ) -> tuple[jax.Array, LayerCache]:
         attn_out, cache = self.self_attn(self.input_layernorm(x), cache, meta, inv_freq, lora)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x), lora), cache
@@ -136,9 +122,8 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(
-        self, tokens: jax.Array, caches: tuple[KVCache, ...], meta: AttentionMetadata,
-        adapters: jax.Array | None = None,
-    ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+        self, tokens: jax.Array, caches: tuple, meta: AttentionMetadata, adapters: jax.Array | None = None,
+    ) -> tuple[jax.Array, tuple]:
         """tokens [T] (with their adapter slots [T]) -> final-norm hidden states [T, hidden], updated caches."""
         x = self.model.embed_tokens(tokens, adapters)
         lora = slot_one_hot(adapters, self.lora_slots, x.dtype) if adapters is not None and self.lora_slots else None
@@ -148,6 +133,22 @@ class LlamaForCausalLM(nnx.Module):
             x, cache = layer(x, cache, meta, inv_freq, lora)
             new_caches.append(cache)
         return self.model.norm(x), tuple(new_caches)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The layout of each layer's KV cache, chosen by the attention backend for this model's heads."""
+        return self.model.layers[0].self_attn.kv_layout
+
+    def set_attention(self, backend: AttentionBackend) -> None:
+        """Swaps every layer's attention backend, and with it the layout of the caches it reads."""
+        for layer in self.model.layers:
+            attention = layer.self_attn
+            attention.backend = backend
+            attention.kv_layout = backend.layout_for(attention.num_kv_heads, attention.head_dim, self.dtype)
+
+    def empty_caches(self, num_pages: int, page_size: int, mesh: Mesh | None = None) -> tuple:
+        """Zeroed KV caches of every layer over `num_pages` page ids, sharded on `mesh` when one is given."""
+        return tuple(self.kv_layout.empty(num_pages, page_size, self.dtype, mesh) for _ in self.model.layers)
 
     def extend_vocabulary(self, size: int) -> None:
         """Grows the embedding (and an untied output head) to ``size`` ids with zero rows, for control

@@ -1,0 +1,124 @@
+"""Attention through JAX's ragged paged attention contract: the TPU kernel, and the same contract in plain JAX.
+
+JAX ships a TPU kernel, `jax.experimental.pallas.ops.tpu.ragged_paged_attention`, that reads KV pages
+in place and handles prefill, decode and mixed batches in one call. Its contract:
+
+- `kv_pages [num_pages, page_size, 2 * kv_heads, head_dim]`, keys at even combined heads and values
+  at odd ones (`kv_layout.CombinedPages`, which also pads heads and head_dim for Mosaic's tiling);
+- sequence i owns queries `cu_q_lens[i]:cu_q_lens[i + 1]` of the flat batch, has `kv_lens[i]` tokens
+  in the cache (its queries included, as the last of them) on pages `page_indices[i]`;
+- only the first `num_seqs[0]` sequences are real; the outputs of queries past them are undefined.
+
+`ragged_segments` derives those arrays from the step's `AttentionMetadata` on the device.
+`RaggedPagedAttention.tpu_kernel()` is the `pallas_tpu` backend. `RaggedPagedAttention.plain_jax()`
+(`ragged_reference`) runs the same contract through `contract_reference`, a gather-based version
+that jits anywhere: it lets the CPU tests run the TPU path's layout, metadata and KV tier moves end to
+end, which the shipped kernel cannot do here (JAX 0.10's TPU interpreter fails on the kernel's ref
+reshape, and the auto-tuned block sizes need a TPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.layers.attention import NEG_INF, AttentionMetadata
+from jaxinfer.layers.kv_layout import CombinedPages
+
+# (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block sizes) -> out
+RaggedKernel = Callable[..., jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RaggedSegments:
+    """The kernel's per-sequence arrays over the page table's rows, and which tokens are real."""
+
+    kv_lens: jax.Array  # [S]
+    page_indices: jax.Array  # [S, P]
+    cu_q_lens: jax.Array  # [S + 1]
+    num_seqs: jax.Array  # [1]
+    real: jax.Array  # [T] bool: False for the padding after the last real token
+
+
+def ragged_segments(meta: AttentionMetadata) -> RaggedSegments:
+    """Rows of the page table become the kernel's sequences (the step keeps each row's tokens
+    contiguous, rows in order). The first padding token is the first that repeats the previous
+    token's row without continuing its positions: padding carries the last row and position 0."""
+    rows, positions = meta.seq_rows, meta.positions
+    num_rows = meta.page_table.shape[0]
+    breaks = (rows[1:] == rows[:-1]) & (positions[1:] != positions[:-1] + 1)
+    num_real = jnp.argmax(jnp.append(breaks, True)) + 1  # the appended break: no padding, all T are real
+    real = jnp.arange(rows.shape[0]) < num_real
+    counts = jnp.zeros(num_rows, jnp.int32).at[rows].add(real.astype(jnp.int32))
+    kv_lens = jnp.zeros(num_rows, jnp.int32).at[rows].max(jnp.where(real, positions + 1, 0))
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
+    num_seqs = jnp.max(jnp.where(real, rows, -1), keepdims=True).astype(jnp.int32) + 1
+    return RaggedSegments(kv_lens, meta.page_table.astype(jnp.int32), cu_q_lens, num_seqs, real)
+
+
+def contract_reference(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
+                       cu_q_lens: jax.Array, num_seqs: jax.Array, *, sm_scale: float, **_block_sizes) -> jax.Array:
+    """The kernel's contract in plain JAX: each query gathers its sequence's whole page list (no
+    blocking, so memory grows with the page table: for tests and small batches). Outputs past the
+    real queries are zero."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_pages_per_seq, page_size = page_indices.shape[1], kv_pages.shape[1]
+    kv_heads = kv_pages.shape[2] // 2
+    token = jnp.arange(num_tokens)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, token, side="right") - 1, 0, page_indices.shape[0] - 1)
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    position = kv_lens[seq] - q_len + (token - cu_q_lens[seq])
+    pages = kv_pages[page_indices[seq]]  # [T, P, page_size, 2 * kv_heads, head_dim]
+    pages = pages.reshape(num_tokens, num_pages_per_seq * page_size, kv_heads, 2, head_dim).astype(jnp.float32)
+    keys, values = pages[..., 0, :], pages[..., 1, :]
+    grouped = q.reshape(num_tokens, kv_heads, num_heads // kv_heads, head_dim).astype(jnp.float32)
+    scores = jnp.einsum("thgd,tkhd->thgk", grouped, keys) * sm_scale
+    visible = jnp.arange(keys.shape[1])[None, :] <= position[:, None]
+    scores = jnp.where(visible[:, None, None, :], scores, NEG_INF)
+    out = jnp.einsum("thgk,tkhd->thgd", jax.nn.softmax(scores, axis=-1), values)
+    real = token < cu_q_lens[num_seqs[0]]
+    return jnp.where(real[:, None, None, None], out, 0.0).reshape(q.shape).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class RaggedPagedAttention:
+    """An `AttentionBackend` over `CombinedPages` that calls a ragged paged attention kernel."""
+
+    kernel: RaggedKernel
+    # None: the kernel's auto-tuned sizes (a TPU looks them up by its generation)
+    num_kv_pages_per_block: int | None = None
+    num_queries_per_block: int | None = None
+
+    @classmethod
+    def tpu_kernel(cls, **block_sizes) -> RaggedPagedAttention:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
+
+        return cls(ragged_paged_attention, **block_sizes)
+
+    @classmethod
+    def plain_jax(cls) -> RaggedPagedAttention:
+        return cls(contract_reference)
+
+    def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> CombinedPages:
+        return CombinedPages.for_mosaic(kv_heads, head_dim, dtype)
+
+    def attend(self, q: jax.Array, cache: jax.Array, meta: AttentionMetadata, scale: float,
+               layout: CombinedPages) -> jax.Array:
+        num_tokens, num_heads, head_dim = q.shape
+        kv_heads, padded_kv_heads, padded_head_dim = layout.kv_heads, layout.padded_kv_heads, layout.padded_head_dim
+        group = num_heads // kv_heads
+        grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(cache.dtype)
+        grouped = jnp.pad(grouped, ((0, 0), (0, padded_kv_heads - kv_heads), (0, 0), (0, padded_head_dim - head_dim)))
+        segments = ragged_segments(meta)
+        out = self.kernel(
+            grouped.reshape(num_tokens, padded_kv_heads * group, padded_head_dim), cache, segments.kv_lens,
+            segments.page_indices, segments.cu_q_lens, segments.num_seqs, sm_scale=scale,
+            num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block,
+        )
+        out = out.reshape(num_tokens, padded_kv_heads, group, padded_head_dim)[:, :kv_heads, :, :head_dim]
+        return jnp.where(segments.real[:, None, None, None], out, 0).reshape(q.shape).astype(q.dtype)
+
