@@ -129,11 +129,15 @@ def test_mosaic_tiling_pads() -> None:
 
 
 def test_backend_names() -> None:
-    assert isinstance(make_backend("pallas_tpu", block_tokens=128, query_tile=16), RaggedPagedAttention)
+    tpu = make_backend("auto", block_tokens=128, query_tile=16, platform="tpu")
+    assert isinstance(tpu, RaggedPagedAttention) and tpu != RaggedPagedAttention.plain_jax()
     assert make_backend("ragged_reference", block_tokens=128, query_tile=16) == RaggedPagedAttention.plain_jax()
     with pytest.raises(ConfigError, match="pallas_tpu runs on one device per model replica"):
-        make_backend("pallas_tpu", block_tokens=128, query_tile=16, model_parallel=2)
+        make_backend("pallas_tpu", block_tokens=128, query_tile=16, model_parallel=2, platform="tpu")
+    with pytest.raises(ConfigError, match="pallas_tpu compiles only for TPUs, and this platform is cpu"):
+        make_backend("pallas_tpu", block_tokens=128, query_tile=16)
     assert backend_name("auto") == "reference"  # this CPU
+    assert backend_name("auto", model_parallel=4, platform="tpu") == "reference"
 
 
 def _tpu_v5e_mesh():

@@ -169,21 +169,29 @@ class _BlockAttention:
         return jnp.swapaxes(acc / denom[..., None], 0, 1)
 
 
-AUTO_BACKEND = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}  # by jax.default_backend(); else the reference
-KERNEL_BACKENDS = ("pallas_gpu", "pallas_tpu")  # one device per model replica: not yet shard_mapped over kv heads
+KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}  # each kernel backend and where it compiles
+AUTO_BACKEND = {platform: name for name, platform in KERNEL_PLATFORMS.items()}  # elsewhere: the reference
 
 
-def backend_name(name: str, model_parallel: int = 1) -> str:
+def backend_name(name: str, model_parallel: int = 1, platform: str | None = None) -> str:
     """The backend a setting means here: ``auto`` picks by the platform (the platform's Pallas kernel
     where the model axis is one device: the kernels are not yet split over kv heads with shard_map)."""
     if name != "auto":
         return name
-    return "reference" if model_parallel > 1 else AUTO_BACKEND.get(jax.default_backend(), "reference")
+    platform = platform or jax.default_backend()
+    return "reference" if model_parallel > 1 else AUTO_BACKEND.get(platform, "reference")
 
 
-def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1) -> AttentionBackend:
-    name = backend_name(name, model_parallel)
-    if name in KERNEL_BACKENDS and model_parallel > 1:
+def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
+                 platform: str | None = None) -> AttentionBackend:
+    platform = platform or jax.default_backend()
+    name = backend_name(name, model_parallel, platform)
+    needed = KERNEL_PLATFORMS.get(name)
+    if needed is not None and needed != platform:
+        raise ConfigError(f"engine.attention_backend = {name} compiles only for {needed.upper()}s, and this "
+                          f"platform is {platform} (use auto or reference; ragged_reference runs the TPU "
+                          f"backend's layout anywhere)")
+    if needed is not None and model_parallel > 1:
         raise ConfigError(f"engine.attention_backend = {name} runs on one device per model replica; the "
                           f"mesh's model axis has {model_parallel} (use reference, or engine.mesh_model = 1)")
     if name == "reference":
