@@ -50,15 +50,12 @@ def test_block_pages_tile_the_page_table_in_powers_of_two() -> None:
 
 
 def test_backend_names() -> None:
-    assert isinstance(make_backend("pallas_gpu", block_tokens=128, query_tile=16, platform="gpu"), PallasGpuAttention)
+    gpu = make_backend("pallas_gpu", block_tokens=128, query_tile=16, model_parallel=2, platform="gpu")
+    assert gpu == PallasGpuAttention(block_tokens=128, model_parallel=2)
     assert backend_name("auto", platform="gpu") == "pallas_gpu"
     assert isinstance(make_backend("reference", block_tokens=128, query_tile=16), ReferenceAttention)
     # auto picks by the platform: the reference backend on this CPU
     assert isinstance(make_backend("auto", block_tokens=128, query_tile=16), ReferenceAttention)
-    # the kernel is not split over kv heads yet: a model axis of several devices keeps the reference
-    assert backend_name("auto", model_parallel=2) == "reference"
-    with pytest.raises(ConfigError, match="pallas_gpu runs on one device per model replica"):
-        make_backend("pallas_gpu", block_tokens=128, query_tile=16, model_parallel=2, platform="gpu")
     with pytest.raises(ConfigError, match="pallas_gpu compiles only for GPUs, and this platform is cpu"):
         make_backend("pallas_gpu", block_tokens=128, query_tile=16)
 

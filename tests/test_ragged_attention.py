@@ -101,12 +101,13 @@ def test_padding_taken_for_queries_is_caught() -> None:
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("kv_heads,head_dim", [(3, 64), (8, 128), (1, 64), (5, 96)])
-def test_layouts_write_and_move_the_same_pages(kv_heads: int, head_dim: int, dtype) -> None:
+@pytest.mark.parametrize("kv_heads,head_dim,shards", [(3, 64, 1), (8, 128, 1), (1, 64, 1), (5, 96, 1), (6, 64, 2)])
+def test_layouts_write_and_move_the_same_pages(kv_heads: int, head_dim: int, shards: int, dtype) -> None:
     rng = np.random.default_rng(kv_heads)
     num_pages, page_size, tokens = 12, 16, 40
-    split, combined = SplitPages(kv_heads, head_dim), CombinedPages.for_mosaic(kv_heads, head_dim, dtype)
-    assert combined.padded_head_dim % 128 == 0 and combined.padded_kv_heads >= kv_heads
+    split, combined = SplitPages(kv_heads, head_dim), CombinedPages.for_mosaic(kv_heads, head_dim, dtype, shards)
+    assert combined.shards == shards
+    assert combined.padded_head_dim % 128 == 0 and combined.padded_kv_heads * shards >= kv_heads
     k, v = (jnp.asarray(rng.standard_normal((tokens, kv_heads, head_dim)), dtype) for _ in range(2))
     slots = jnp.asarray(rng.permutation(np.arange(page_size, num_pages * page_size))[:tokens], jnp.int32)
     split_cache = split.update(split.empty(num_pages, page_size, dtype), k, v, slots)
@@ -126,18 +127,19 @@ def test_mosaic_tiling_pads() -> None:
     assert CombinedPages.for_mosaic(2, 64, jnp.float32) == CombinedPages(2, 64, 2, 128)
     assert CombinedPages.for_mosaic(5, 128, jnp.float32) == CombinedPages(5, 128, 8, 128)
     assert CombinedPages.for_mosaic(1, 128, jnp.bfloat16) == CombinedPages(1, 128, 1, 128)
+    # split over the model axis where it divides the kv heads, each shard padded on its own
+    assert CombinedPages.for_mosaic(6, 64, jnp.float32, model_parallel=2) == CombinedPages(6, 64, 4, 128, shards=2)
+    assert CombinedPages.for_mosaic(3, 64, jnp.float32, model_parallel=2) == CombinedPages(3, 64, 4, 128, shards=1)
 
 
 def test_backend_names() -> None:
-    tpu = make_backend("auto", block_tokens=128, query_tile=16, platform="tpu")
-    assert isinstance(tpu, RaggedPagedAttention) and tpu != RaggedPagedAttention.plain_jax()
+    tpu = make_backend("auto", block_tokens=128, query_tile=16, model_parallel=4, platform="tpu")
+    assert isinstance(tpu, RaggedPagedAttention) and tpu.model_parallel == 4
+    assert tpu.kernel is not contract_reference
     assert make_backend("ragged_reference", block_tokens=128, query_tile=16) == RaggedPagedAttention.plain_jax()
-    with pytest.raises(ConfigError, match="pallas_tpu runs on one device per model replica"):
-        make_backend("pallas_tpu", block_tokens=128, query_tile=16, model_parallel=2, platform="tpu")
     with pytest.raises(ConfigError, match="pallas_tpu compiles only for TPUs, and this platform is cpu"):
         make_backend("pallas_tpu", block_tokens=128, query_tile=16)
     assert backend_name("auto") == "reference"  # this CPU
-    assert backend_name("auto", model_parallel=4, platform="tpu") == "reference"
 
 
 def _tpu_v5e_mesh():

@@ -21,15 +21,18 @@ same `AttentionBackend` protocol and plug in without touching the model.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from jaxinfer.config import ATTENTION_BACKENDS
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
+from jaxinfer.parallel.mesh import MESH_AXES
 
 NEG_INF = -1e30
 
@@ -56,6 +59,20 @@ class AttentionBackend(Protocol):
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+
+
+def on_each_model_device(local_attend: Callable[..., jax.Array], q: jax.Array, cache: Any, meta: AttentionMetadata,
+                         *, model_parallel: int, cache_spec: PartitionSpec | None) -> jax.Array:
+    """Runs a kernel's attention in `shard_map` over the model axis of a replica's mesh (data x model,
+    data 1). A Pallas call is opaque to XLA's partitioner, which would gather whole KV pools onto every
+    device to run it. With `cache_spec` (how the cache's kv heads are split) each device attends with
+    its own kv heads and the query heads of their groups; without it (the axis does not divide the kv
+    heads, so the pools are replicated) every device attends with all of them."""
+    mesh = AbstractMesh((1, model_parallel), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    heads = PartitionSpec(None, "model", None) if cache_spec is not None else PartitionSpec()
+    cache_specs = jax.tree.map(lambda _: cache_spec or PartitionSpec(), cache)
+    return jax.shard_map(local_attend, mesh=mesh, in_specs=(heads, cache_specs, PartitionSpec()), out_specs=heads,
+                         check_vma=False)(q, cache, meta)
 
 
 class SplitLayout:
@@ -173,37 +190,35 @@ KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}  # each kernel bac
 AUTO_BACKEND = {platform: name for name, platform in KERNEL_PLATFORMS.items()}  # elsewhere: the reference
 
 
-def backend_name(name: str, model_parallel: int = 1, platform: str | None = None) -> str:
-    """The backend a setting means here: ``auto`` picks by the platform (the platform's Pallas kernel
-    where the model axis is one device: the kernels are not yet split over kv heads with shard_map)."""
+def backend_name(name: str, platform: str | None = None) -> str:
+    """The backend a setting means here: ``auto`` picks the platform's Pallas kernel, else the reference."""
     if name != "auto":
         return name
-    platform = platform or jax.default_backend()
-    return "reference" if model_parallel > 1 else AUTO_BACKEND.get(platform, "reference")
+    return AUTO_BACKEND.get(platform or jax.default_backend(), "reference")
 
 
 def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
                  platform: str | None = None) -> AttentionBackend:
+    """The backend for a replica whose mesh has `model_parallel` devices on its model axis."""
     platform = platform or jax.default_backend()
-    name = backend_name(name, model_parallel, platform)
+    name = backend_name(name, platform)
     needed = KERNEL_PLATFORMS.get(name)
     if needed is not None and needed != platform:
         raise ConfigError(f"engine.attention_backend = {name} compiles only for {needed.upper()}s, and this "
                           f"platform is {platform} (use auto or reference; ragged_reference runs the TPU "
                           f"backend's layout anywhere)")
-    if needed is not None and model_parallel > 1:
-        raise ConfigError(f"engine.attention_backend = {name} runs on one device per model replica; the "
-                          f"mesh's model axis has {model_parallel} (use reference, or engine.mesh_model = 1)")
     if name == "reference":
         return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
     if name == "pallas_gpu":
         from jaxinfer.layers.pallas_attention import PallasGpuAttention
 
-        return PallasGpuAttention(block_tokens=block_tokens)
+        return PallasGpuAttention(block_tokens=block_tokens, model_parallel=model_parallel)
     if name in ("pallas_tpu", "ragged_reference"):
         from jaxinfer.layers.ragged_attention import RaggedPagedAttention
 
-        return RaggedPagedAttention.tpu_kernel() if name == "pallas_tpu" else RaggedPagedAttention.plain_jax()
+        if name == "pallas_tpu":
+            return RaggedPagedAttention.tpu_kernel(model_parallel=model_parallel)
+        return RaggedPagedAttention.plain_jax(model_parallel=model_parallel)
     raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
 
 

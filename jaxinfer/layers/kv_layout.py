@@ -6,6 +6,7 @@
   combined head 2h and its value at 2h + 1: the layout of JAX's TPU ragged paged attention kernel.
   Mosaic tiles the last two dimensions, so the kernel needs a head count and a head_dim it can
   tile; the layout pads them (zero heads, zero lanes) and strips the padding when pages leave.
+  Split over the model axis, each device's block of heads is padded on its own.
 
 Page 0 is the null page in both. Pages leave and enter a layout in one neutral form,
 `[pages, 2, kv_heads, page_size, head_dim]` with the model's own heads and head_dim, so the KV tiers,
@@ -92,48 +93,71 @@ def _tileable(combined_heads: int, packing: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class CombinedPages:
+    """`padded_kv_heads` and the padding are per shard: with the kv heads split over `shards` devices
+    of the model axis, each device's block of combined heads is a tileable pool of its own."""
+
     kv_heads: int
     head_dim: int
-    padded_kv_heads: int
+    padded_kv_heads: int  # per shard
     padded_head_dim: int
+    shards: int = 1
 
     @classmethod
-    def for_mosaic(cls, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> CombinedPages:
-        """Pads kv heads until Mosaic tiles 2 * heads in `dtype`, and head_dim to whole lanes."""
+    def for_mosaic(cls, kv_heads: int, head_dim: int, dtype: jnp.dtype, model_parallel: int = 1) -> CombinedPages:
+        """Splits the kv heads over the model axis where it divides them (else every device holds all),
+        then pads each shard's heads until Mosaic tiles 2 * heads in `dtype`, and head_dim to whole lanes."""
+        shards = model_parallel if kv_heads % model_parallel == 0 else 1
         packing = max(1, 4 // jnp.dtype(dtype).itemsize)
-        padded = kv_heads
+        padded = kv_heads // shards
         while not _tileable(2 * padded, packing):
             padded += 1
         lanes = -(-head_dim // MOSAIC_LANES) * MOSAIC_LANES
-        return cls(kv_heads, head_dim, padded, lanes)
+        return cls(kv_heads, head_dim, padded, lanes, shards)
+
+    @property
+    def combined_heads(self) -> int:
+        return 2 * self.padded_kv_heads * self.shards
+
+    def local(self) -> CombinedPages:
+        """The layout of one shard's block, as the kernel on that device sees it."""
+        return CombinedPages(self.kv_heads // self.shards, self.head_dim, self.padded_kv_heads, self.padded_head_dim)
 
     def empty(self, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> jax.Array:
-        shape = (num_pages, page_size, 2 * self.padded_kv_heads, self.padded_head_dim)
-        return _zeros(shape, COMBINED_AXES, dtype, mesh)
+        shape = (num_pages, page_size, self.combined_heads, self.padded_head_dim)
+        # unsplit, the combined heads stay whole on every device (a split could part a key from its value)
+        axes = COMBINED_AXES if self.shards > 1 else ("pages", "page_slot", None, "head_dim")
+        return _zeros(shape, axes, dtype, mesh)
 
     def pad_heads(self, x: jax.Array) -> jax.Array:
-        """[..., kv_heads, 2, head_dim] -> [..., padded_kv_heads, 2, padded_head_dim], zeros in the padding."""
+        """[..., kv_heads, 2, head_dim] -> [..., shards * padded_kv_heads, 2, padded_head_dim], zeros in the padding."""
+        lead, local = x.shape[:-3], self.kv_heads // self.shards
+        x = x.reshape(*lead, self.shards, local, 2, self.head_dim)
         pad = [(0, 0)] * x.ndim
-        pad[-3] = (0, self.padded_kv_heads - self.kv_heads)
+        pad[-3] = (0, self.padded_kv_heads - local)
         pad[-1] = (0, self.padded_head_dim - self.head_dim)
-        return jnp.pad(x, pad)
+        return jnp.pad(x, pad).reshape(*lead, self.shards * self.padded_kv_heads, 2, self.padded_head_dim)
+
+    def strip_heads(self, x: jax.Array) -> jax.Array:
+        """The inverse of `pad_heads`."""
+        lead, local = x.shape[:-3], self.kv_heads // self.shards
+        x = x.reshape(*lead, self.shards, self.padded_kv_heads, 2, self.padded_head_dim)
+        return x[..., :local, :, : self.head_dim].reshape(*lead, self.kv_heads, 2, self.head_dim)
 
     def update(self, cache: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
-        """Writes k, v [T, kv_heads, head_dim] interleaved: [T, 2 * padded_kv_heads, padded_head_dim]."""
-        pairs = self.pad_heads(jnp.stack([k, v], axis=2))  # [T, padded_kv_heads, 2, padded_head_dim]
-        new = pairs.reshape(pairs.shape[0], 2 * self.padded_kv_heads, self.padded_head_dim)
+        """Writes k, v [T, kv_heads, head_dim] interleaved: [T, combined_heads, padded_head_dim]."""
+        new = self.pad_heads(jnp.stack([k, v], axis=2)).reshape(k.shape[0], self.combined_heads, self.padded_head_dim)
         page_size = cache.shape[1]
         return cache.at[slots // page_size, slots % page_size].set(new.astype(cache.dtype))
 
     def export(self, cache: jax.Array, pages: jax.Array) -> jax.Array:
-        picked = cache[pages]  # [n, page_size, 2 * padded_kv_heads, padded_head_dim]
+        picked = cache[pages]  # [n, page_size, combined_heads, padded_head_dim]
         n, page_size = picked.shape[:2]
-        pairs = picked.reshape(n, page_size, self.padded_kv_heads, 2, self.padded_head_dim)
-        pairs = pairs[:, :, : self.kv_heads, :, : self.head_dim]
+        pairs = self.strip_heads(picked.reshape(n, page_size, self.shards * self.padded_kv_heads, 2,
+                                                self.padded_head_dim))
         return jnp.transpose(pairs, (0, 3, 2, 1, 4))  # [n, 2, kv_heads, page_size, head_dim]
 
     def import_pages(self, cache: jax.Array, pages: jax.Array, data: jax.Array) -> jax.Array:
-        pairs = self.pad_heads(jnp.transpose(data, (0, 3, 2, 1, 4)))  # [n, page_size, padded_kv_heads, 2, lanes]
+        pairs = self.pad_heads(jnp.transpose(data, (0, 3, 2, 1, 4)))  # [n, page_size, heads, 2, lanes]
         n, page_size = pairs.shape[:2]
-        combined = pairs.reshape(n, page_size, 2 * self.padded_kv_heads, self.padded_head_dim)
+        combined = pairs.reshape(n, page_size, self.combined_heads, self.padded_head_dim)
         return cache.at[pages].set(combined.astype(cache.dtype))

@@ -22,8 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+from jax.sharding import PartitionSpec
 
-from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout
+from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, on_each_model_device
 from jaxinfer.layers.kv_layout import KVCache, KVLayout
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
@@ -65,9 +66,18 @@ class PallasGpuAttention(SplitLayout):
 
     block_tokens: int = 128
     interpret: bool = False  # run through Pallas's interpreter (CPU tests)
+    model_parallel: int = 1  # devices on the replica mesh's model axis
 
     def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
                layout: KVLayout | None = None) -> jax.Array:
+        if self.model_parallel == 1:
+            return self._attend_local(q, cache, meta, scale)
+        split = cache.k.shape[0] % self.model_parallel == 0  # the pools' own rule (parallel.mesh.spec_for)
+        return on_each_model_device(functools.partial(self._attend_local, scale=scale), q, cache, meta,
+                                    model_parallel=self.model_parallel,
+                                    cache_spec=PartitionSpec("model") if split else None)
+
+    def _attend_local(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float) -> jax.Array:
         k_cache, v_cache = cache
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, num_pages, page_size, _ = k_cache.shape

@@ -20,12 +20,14 @@ reshape, and the auto-tuned block sizes need a TPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from jaxinfer.layers.attention import NEG_INF, AttentionMetadata
+from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, on_each_model_device
 from jaxinfer.layers.kv_layout import CombinedPages
 
 # (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block sizes) -> out
@@ -92,22 +94,32 @@ class RaggedPagedAttention:
     # None: the kernel's auto-tuned sizes (a TPU looks them up by its generation)
     num_kv_pages_per_block: int | None = None
     num_queries_per_block: int | None = None
+    model_parallel: int = 1  # devices on the replica mesh's model axis
 
     @classmethod
-    def tpu_kernel(cls, **block_sizes) -> RaggedPagedAttention:
+    def tpu_kernel(cls, **settings) -> RaggedPagedAttention:
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
 
-        return cls(ragged_paged_attention, **block_sizes)
+        return cls(ragged_paged_attention, **settings)
 
     @classmethod
-    def plain_jax(cls) -> RaggedPagedAttention:
-        return cls(contract_reference)
+    def plain_jax(cls, **settings) -> RaggedPagedAttention:
+        return cls(contract_reference, **settings)
 
     def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> CombinedPages:
-        return CombinedPages.for_mosaic(kv_heads, head_dim, dtype)
+        return CombinedPages.for_mosaic(kv_heads, head_dim, dtype, self.model_parallel)
 
     def attend(self, q: jax.Array, cache: jax.Array, meta: AttentionMetadata, scale: float,
                layout: CombinedPages) -> jax.Array:
+        if self.model_parallel == 1:
+            return self._attend_local(q, cache, meta, scale, layout)
+        split = layout.shards > 1
+        local = functools.partial(self._attend_local, scale=scale, layout=layout.local() if split else layout)
+        return on_each_model_device(local, q, cache, meta, model_parallel=self.model_parallel,
+                                    cache_spec=PartitionSpec(None, None, "model", None) if split else None)
+
+    def _attend_local(self, q: jax.Array, cache: jax.Array, meta: AttentionMetadata, scale: float,
+                      layout: CombinedPages) -> jax.Array:
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, padded_kv_heads, padded_head_dim = layout.kv_heads, layout.padded_kv_heads, layout.padded_head_dim
         group = num_heads // kv_heads
@@ -121,4 +133,3 @@ class RaggedPagedAttention:
         )
         out = out.reshape(num_tokens, padded_kv_heads, group, padded_head_dim)[:, :kv_heads, :, :head_dim]
         return jnp.where(segments.real[:, None, None, None], out, 0).reshape(q.shape).astype(q.dtype)
-
