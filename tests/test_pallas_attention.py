@@ -75,3 +75,15 @@ def test_kernel_lowers_to_triton_for_cuda_on_this_cpu(group: int) -> None:
         q, k_cache, v_cache, meta)
     module = exported.mlir_module()
     assert "__gpu$xla.gpu.triton" in module and 'name = "jaxinfer_paged_attention"' in module
+
+
+@pytest.mark.parametrize("case", ["mixed", "many_pages"])
+def test_bfloat16_caches_stay_within_bfloat16_rounding(case: str) -> None:
+    """GPUs run bf16 caches: the kernel's dots then take bf16 inputs (float32 accumulation and
+    softmax); against the float32 reference the error is the inputs' rounding, about 1% of the scale."""
+    q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=4, page_size=16, table_width=16)
+    expected = np.asarray(ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2))
+    low = KVCache(k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16))
+    got = PallasGpuAttention(interpret=True).attend(q.astype(jnp.bfloat16), low, meta, 0.2)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=0.01 * np.abs(expected).max())

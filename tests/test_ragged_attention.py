@@ -83,6 +83,15 @@ def test_backend_matches_the_reference_backend(case: str, group: int, page_size:
     assert not np.any(np.asarray(got[q.shape[0] :])), "padding tokens' outputs are zero"
 
 
+def test_bfloat16_pages_stay_within_bfloat16_rounding() -> None:
+    q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=4, page_size=16, table_width=16)
+    expected = np.asarray(ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2))
+    cache, layout = combined_copy(k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16), jnp.bfloat16)
+    assert cache.dtype == jnp.bfloat16
+    got = RaggedPagedAttention.plain_jax().attend(q.astype(jnp.bfloat16), cache, meta, 0.2, layout)
+    np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=0.01 * np.abs(expected).max())
+
+
 def test_padding_taken_for_queries_is_caught() -> None:
     """The comparison above can fail: counting the padding as queries of the last row shifts its
     causal window (the kernel aligns a sequence's queries to the end of its keys)."""
