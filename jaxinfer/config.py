@@ -15,6 +15,7 @@ from jaxinfer.errors import ConfigError
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
 EXEC_LOOPS = ("auto", "while", "pallas")  # processor.machine.MachineShape.loop
+RAGGED_REFERENCE_MAX_LEN = 4096  # the plain-JAX TPU contract's memory grows with the context
 # layers.attention.make_backend
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "ragged_reference")
 
@@ -245,6 +246,10 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"engine.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                               f"{self.attention_backend!r}")
+        if self.attention_backend == "ragged_reference" and not 0 < self.max_model_len <= RAGGED_REFERENCE_MAX_LEN:
+            raise ConfigError(f"engine.attention_backend = ragged_reference gathers each sequence's whole page list "
+                              f"for every token (a test backend): set engine.max_model_len to at most "
+                              f"{RAGGED_REFERENCE_MAX_LEN}, got {self.max_model_len or 'the model default'}")
 
     def _check_lora(self) -> None:
         from jaxinfer.layers.lora import LORA_TARGETS

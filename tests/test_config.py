@@ -26,6 +26,8 @@ def test_overrides_apply_over_the_file():
 @pytest.mark.parametrize(("changes", "field"), [
     ({"page_size": 0}, "page_size"), ({"num_pages": 1}, "num_pages"), ({"token_buckets": (8, 4)}, "token_buckets"),
     ({"compile_guard": "loud"}, "compile_guard"), ({"dtype": "int8"}, "dtype"), ({"bogus": 1}, "bogus"),
+    ({"attention_backend": "ragged_reference"}, "max_model_len to at most 4096, got the model default"),
+    ({"attention_backend": "ragged_reference", "max_model_len": 8192}, "max_model_len to at most 4096, got 8192"),
 ])
 def test_bad_engine_settings_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):

@@ -4,7 +4,7 @@ A Pallas call is opaque to XLA's partitioner, so the kernel backends run it in `
 model axis: each device attends with its own kv heads where the axis divides them, and with all of
 them (replicated pools) where it does not. Checked against one device's reference backend, for the
 GPU kernel under Pallas's interpreter and for the TPU path's contract in plain JAX, plus SmolLM2 in
-the engine on the combined layout over 3 and 2 devices.
+the engine on the combined layout over 3 and 2 devices, and a one-kv-head model over 4 devices.
 """
 
 from __future__ import annotations
@@ -65,14 +65,35 @@ for model_parallel in (3, 2):  # SmolLM2's 3 kv heads: split over 3, replicated 
     report[f"smollm2_{model_parallel}"] = dict(same_tokens=tokens == single,
                                                cache_spec=str(llm.runner.caches[0].sharding.spec),
                                                cache_shape=list(llm.runner.caches[0].shape))
+
+# one kv head on a 4-way model axis: XLA once handed the caches back split on head_dim, and the
+# second step refused them; the step now keeps the shardings the caches came in with
+import shutil
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from shape_bench import SHAPES
+folder = Path(sys.argv[2]) / "one_kv_head"
+folder.mkdir()
+config = dict(SHAPES["tiny-llama3"], num_key_value_heads=1, num_attention_heads=4)
+(folder / "config.json").write_text(json.dumps(config))
+(folder / "RANDOM_WEIGHTS").write_text("test\n")
+shutil.copyfile(sys.argv[4], folder / "tokenizer.json")
+one_head = {}
+for backend in ("reference", "ragged_reference"):
+    llm = LLM(str(folder), mesh_model=4, attention_backend=backend, **engine)
+    one_head[backend] = [o.token_ids for o in llm.generate(prompts, greedy)]
+report["one_kv_head"] = dict(same_tokens=one_head["reference"] == one_head["ragged_reference"],
+                             lengths=[len(t) for t in one_head["reference"]])
 print("REPORT " + json.dumps(report))
 """
 
 
-def test_kernel_backends_shard_over_kv_heads():
+def test_kernel_backends_shard_over_kv_heads(tmp_path):
+    from conftest import REPO, llama3_tokenizer_json
+
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", CHILD, os.path.dirname(__file__)], env=env, capture_output=True,
-                          text=True, timeout=900)
+    argv = [os.path.dirname(__file__), str(tmp_path), str(REPO / "tools"), str(llama3_tokenizer_json())]
+    proc = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("REPORT "))[len("REPORT "):])
     for backend in ("gpu", "ragged"):
@@ -87,3 +108,4 @@ def test_kernel_backends_shard_over_kv_heads():
     assert report["smollm2_3"]["cache_spec"] == "P(None, None, 'model')", report
     assert report["smollm2_2"]["same_tokens"] and report["smollm2_2"]["cache_shape"] == [128, 8, 8, 128], report
     assert "model" not in report["smollm2_2"]["cache_spec"], report
+    assert report["one_kv_head"] == dict(same_tokens=True, lengths=[10, 10, 10]), report

@@ -46,7 +46,7 @@ def combined_copy(k_cache: jax.Array, v_cache: jax.Array, dtype=jnp.float32) -> 
 def test_contract_reference_matches_jax_reference(case: str, group: int) -> None:
     q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=group, page_size=16, table_width=16)
     cache, layout = combined_copy(k_cache, v_cache)
-    segments = ragged_segments(meta)
+    segments = ragged_segments(meta, 16)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, layout.padded_head_dim - q.shape[2])))
     args = (q, cache, segments.kv_lens, segments.page_indices, segments.cu_q_lens, segments.num_seqs)
     expected = ref_ragged_paged_attention(*args, sm_scale=0.2)
@@ -58,11 +58,13 @@ def test_segments_follow_rows_and_stop_at_the_padding() -> None:
     # row 0: positions 5..7; row 1: position 12; row 2: position 0 (a one-token prefill); then padding
     meta = with_padding(AttentionMetadata(jnp.array([5, 6, 7, 12, 0], jnp.int32), jnp.array([0, 0, 0, 1, 2], jnp.int32),
                                           jnp.zeros((4, 3), jnp.int32), jnp.zeros(5, jnp.int32)), 3)
-    segments = ragged_segments(meta)
+    segments = ragged_segments(meta, page_size=8)
     assert segments.cu_q_lens.tolist() == [0, 3, 4, 5, 5]
     assert segments.kv_lens.tolist() == [8, 13, 1, 0]
     assert segments.num_seqs.tolist() == [3]
     assert segments.real.tolist() == [True] * 5 + [False] * 3
+    # a draft row past its budget counts on past its 3 pages of 4 slots: its keys stop at the table's end
+    assert ragged_segments(meta, page_size=4).kv_lens.tolist() == [8, 12, 1, 0]
 
 
 @pytest.mark.parametrize("page_size", [16, 32])
@@ -99,7 +101,7 @@ def test_padding_taken_for_queries_is_caught() -> None:
     expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
     cache, _layout = combined_copy(k_cache, v_cache)
     padded = with_padding(meta, 4)
-    segments = ragged_segments(padded)
+    segments = ragged_segments(padded, 16)
     counts_padding = segments.cu_q_lens.at[len(CASES["mixed"]):].add(4)
     q_padded = jnp.pad(jnp.concatenate([q, jnp.zeros((4, *q.shape[1:]), q.dtype)]), ((0, 0), (0, 0), (0, 96)))
     got = contract_reference(q_padded, cache, segments.kv_lens, segments.page_indices, counts_padding,
@@ -161,11 +163,12 @@ def _tpu_v5e_mesh():
 @pytest.mark.parametrize("shape", ["smollm2", "llama3_8b"])
 @pytest.mark.parametrize("page_size", [16, 32])
 def test_shipped_kernel_lowers_to_mosaic_for_a_tpu(shape: str, page_size: int) -> None:
-    """JAX's TPU kernel, called by our backend with bf16 KV in the combined layout, lowers for a TPU
-    v5e here (the Pallas-to-Mosaic lowering runs at JAX lowering time); compiling it needs a TPU."""
+    """JAX's TPU kernel, called by the engine's `pallas_tpu` backend (its default block settings) with
+    bf16 KV in the combined layout, lowers for a TPU v5e here (the Pallas-to-Mosaic lowering runs at
+    JAX lowering time); compiling it needs a TPU."""
     kv_heads, heads, head_dim = {"smollm2": (3, 9, 64), "llama3_8b": (8, 32, 128)}[shape]
     tokens, rows, pages_per_seq = 64, 8, 32
-    backend = RaggedPagedAttention.tpu_kernel(num_kv_pages_per_block=8, num_queries_per_block=16)
+    backend = make_backend("pallas_tpu", block_tokens=128, query_tile=16, platform="tpu")
     layout = backend.layout_for(kv_heads, head_dim, jnp.bfloat16)
     cache = jax.ShapeDtypeStruct((256, page_size, 2 * layout.padded_kv_heads, layout.padded_head_dim), jnp.bfloat16)
     q = jax.ShapeDtypeStruct((tokens, heads, head_dim), jnp.bfloat16)

@@ -14,6 +14,7 @@ distributions are passed as K arrays of [max_seqs, vocab] whatever the bucket.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -24,7 +25,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.spec import propose, verify
-from jaxinfer.engine.step import HostBatch, ModelRunner, StepInputs
+from jaxinfer.engine.step import HostBatch, ModelRunner, StepInputs, keep_shardings
 from jaxinfer.errors import ConfigError
 from jaxinfer.models import LlamaForCausalLM
 
@@ -82,10 +83,12 @@ def _scored_logits(model, hidden: jax.Array, logits_rows: jax.Array) -> jax.Arra
 
 
 def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_caches, draft_probs,
-                 inputs: StepInputs, spec: SpecInputs):
+                 inputs: StepInputs, spec: SpecInputs, *, cache_shardings, draft_cache_shardings):
     model, draft = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
     hidden, caches = model(inputs.tokens, caches, inputs.meta)
     _, draft_caches = draft(inputs.tokens, draft_caches, inputs.meta)  # the draft's KV keeps pace
+    caches = keep_shardings(caches, cache_shardings)
+    draft_caches = keep_shardings(draft_caches, draft_cache_shardings)
     rows = spec.logits_rows.shape[0]
     logits = _scored_logits(model, hidden, spec.logits_rows)
     probs = jnp.stack(draft_probs, axis=1)[:rows]
@@ -114,7 +117,9 @@ class SpecRunner:
         replicated = target.replicated
         self._propose_jit = jax.jit(_propose_step, static_argnums=0, donate_argnums=(2,),
                                     out_shardings=(cache_shardings, replicated, replicated, replicated))
-        self._verify_jit = jax.jit(_verify_step, static_argnums=(0, 2), donate_argnums=(4, 5))
+        verify_step = functools.partial(_verify_step, cache_shardings=target.cache_shardings,
+                                        draft_cache_shardings=cache_shardings)
+        self._verify_jit = jax.jit(verify_step, static_argnums=(0, 2), donate_argnums=(4, 5))
         self._propose_exes: dict[int, jax.stages.Compiled] = {}
         self._verify_exes: dict[int, jax.stages.Compiled] = {}
 

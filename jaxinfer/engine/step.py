@@ -110,10 +110,11 @@ class StepResult:
 
 
 def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs, machine=None, code=None, *,
-          exec_fn=None):
+          cache_shardings, exec_fn=None):
     model = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = model(ids, caches, inputs.meta, inputs.adapters)
+    caches = keep_shardings(caches, cache_shardings)
     logits = model.logits(hidden[inputs.logits_rows], inputs.adapters[inputs.logits_rows])
     tokens, logprobs = sample(logits, inputs.sampling)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
@@ -121,6 +122,13 @@ def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs, m
         return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
     machine, exec_report = exec_fn(machine, code)  # the processor's slots advance in the same step
     return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), machine, exec_report
+
+
+def keep_shardings(caches, shardings):
+    """The caches with the shardings they came in with. Left to propagation, XLA may return them split
+    another way (a single kv head on a 4-way model axis came back split on head_dim), and the next
+    step, compiled for the first sharding, would refuse them."""
+    return jax.lax.with_sharding_constraint(caches, shardings)
 
 
 TIER_CHUNK = 8  # pages per export/import call: one shape, so one compile each
@@ -168,10 +176,13 @@ class ModelRunner:
         if self.exec_unit is not None:  # its slot loads, resumes and stops reach followers like adapter loads
             self.exec_unit.replicate = self._replicated
         exec_fn = self.exec_unit.step_function if self.exec_unit is not None else None
-        self._jitted = jax.jit(functools.partial(_step, exec_fn=exec_fn), static_argnums=0,
+        self.cache_shardings = jax.tree.map(lambda x: x.sharding, self.caches)
+        self._jitted = jax.jit(functools.partial(_step, cache_shardings=self.cache_shardings, exec_fn=exec_fn),
+                               static_argnums=0,
                                donate_argnums=(2, 5) if exec_fn is not None else (2,))
         self._export_fn = jax.jit(functools.partial(_export, model.kv_layout))
-        self._import_fn = jax.jit(functools.partial(_import, model.kv_layout), donate_argnums=(0,))
+        self._import_fn = jax.jit(functools.partial(_import, model.kv_layout), donate_argnums=(0,),
+                                  out_shardings=self.cache_shardings)
         self._import_rows_fn = None  # set by `warmup_tiers` where the platform has pinned host memory
         # Lower KV tiers for pages the pool evicts. Evicted pages are copied out before the next
         # step of any engine on this runner is dispatched, so no step can overwrite them first.
@@ -389,7 +400,7 @@ class ModelRunner:
             self._export_fn = jax.jit(functools.partial(_export, self.model.kv_layout),
                                       out_shardings=device.with_memory_kind("pinned_host"))
             self._import_rows_fn = jax.jit(functools.partial(_import_rows, self.model.kv_layout, device),
-                                           donate_argnums=(0,))
+                                           donate_argnums=(0,), out_shardings=self.cache_shardings)
         for group in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
             self.import_pages([(0, HostPage(group, 0))])
             self.import_pages([(0, np.zeros(group.shape[1:], group.dtype))])

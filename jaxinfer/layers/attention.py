@@ -216,9 +216,10 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
     if name in ("pallas_tpu", "ragged_reference"):
         from jaxinfer.layers.ragged_attention import RaggedPagedAttention
 
+        settings = dict(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
         if name == "pallas_tpu":
-            return RaggedPagedAttention.tpu_kernel(model_parallel=model_parallel)
-        return RaggedPagedAttention.plain_jax(model_parallel=model_parallel)
+            return RaggedPagedAttention.tpu_kernel(**settings)
+        return RaggedPagedAttention.plain_jax(**settings)
     raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
 
 
@@ -249,6 +250,7 @@ class DenseAttention:
         return out.reshape(tokens, heads, dim)
 
 
+@dataclasses.dataclass(frozen=True)
 class PassThrough:
     """The layout of `DenseAttention`: no pages, the new keys and values are the cache."""
 

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
-from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, on_each_model_device
+from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, largest_divisor_at_most, on_each_model_device
 from jaxinfer.layers.kv_layout import CombinedPages
 
 # (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block sizes) -> out
@@ -46,10 +46,11 @@ class RaggedSegments:
     real: jax.Array  # [T] bool: False for the padding after the last real token
 
 
-def ragged_segments(meta: AttentionMetadata) -> RaggedSegments:
+def ragged_segments(meta: AttentionMetadata, page_size: int) -> RaggedSegments:
     """Rows of the page table become the kernel's sequences (the step keeps each row's tokens
-    contiguous, rows in order). The first padding token is the first that repeats the previous
-    token's row without continuing its positions: padding carries the last row and position 0."""
+    contiguous, rows in order, and gives every row at least one token). The first padding token is
+    the first that repeats the previous token's row without continuing its positions: padding
+    carries the last row and position 0."""
     rows, positions = meta.seq_rows, meta.positions
     num_rows = meta.page_table.shape[0]
     breaks = (rows[1:] == rows[:-1]) & (positions[1:] != positions[:-1] + 1)
@@ -57,6 +58,9 @@ def ragged_segments(meta: AttentionMetadata) -> RaggedSegments:
     real = jnp.arange(rows.shape[0]) < num_real
     counts = jnp.zeros(num_rows, jnp.int32).at[rows].add(real.astype(jnp.int32))
     kv_lens = jnp.zeros(num_rows, jnp.int32).at[rows].max(jnp.where(real, positions + 1, 0))
+    # A draft row past its budget keeps counting positions in later propose calls (its output is
+    # dropped); the kernel may not read past the row's page table, so its keys stop there.
+    kv_lens = jnp.minimum(kv_lens, meta.page_table.shape[1] * page_size)
     cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
     num_seqs = jnp.max(jnp.where(real, rows, -1), keepdims=True).astype(jnp.int32) + 1
     return RaggedSegments(kv_lens, meta.page_table.astype(jnp.int32), cu_q_lens, num_seqs, real)
@@ -91,9 +95,8 @@ class RaggedPagedAttention:
     """An `AttentionBackend` over `CombinedPages` that calls a ragged paged attention kernel."""
 
     kernel: RaggedKernel
-    # None: the kernel's auto-tuned sizes (a TPU looks them up by its generation)
-    num_kv_pages_per_block: int | None = None
-    num_queries_per_block: int | None = None
+    block_tokens: int = 128  # keys per kernel block (engine.attention_block_tokens), in whole pages
+    query_tile: int = 16  # queries per kernel block (engine.attention_query_tile)
     model_parallel: int = 1  # devices on the replica mesh's model axis
 
     @classmethod
@@ -108,6 +111,13 @@ class RaggedPagedAttention:
 
     def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> CombinedPages:
         return CombinedPages.for_mosaic(kv_heads, head_dim, dtype, self.model_parallel)
+
+    def _block_sizes(self, num_tokens: int, page_size: int, pages_per_seq: int) -> dict[str, int]:
+        """The engine's block settings, not the kernel's auto-tuned table: JAX's table covers short
+        contexts only and otherwise falls back to 128 pages a block, a double buffer that can exceed
+        the VMEM of a v5e with Llama-3-8B's heads. A block tiles the page table exactly."""
+        pages = largest_divisor_at_most(pages_per_seq, max(1, self.block_tokens // page_size))
+        return dict(num_kv_pages_per_block=pages, num_queries_per_block=min(self.query_tile, num_tokens))
 
     def attend(self, q: jax.Array, cache: jax.Array, meta: AttentionMetadata, scale: float,
                layout: CombinedPages) -> jax.Array:
@@ -125,11 +135,11 @@ class RaggedPagedAttention:
         group = num_heads // kv_heads
         grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(cache.dtype)
         grouped = jnp.pad(grouped, ((0, 0), (0, padded_kv_heads - kv_heads), (0, 0), (0, padded_head_dim - head_dim)))
-        segments = ragged_segments(meta)
+        segments = ragged_segments(meta, cache.shape[1])
         out = self.kernel(
             grouped.reshape(num_tokens, padded_kv_heads * group, padded_head_dim), cache, segments.kv_lens,
             segments.page_indices, segments.cu_q_lens, segments.num_seqs, sm_scale=scale,
-            num_kv_pages_per_block=self.num_kv_pages_per_block, num_queries_per_block=self.num_queries_per_block,
+            **self._block_sizes(num_tokens, cache.shape[1], meta.page_table.shape[1]),
         )
         out = out.reshape(num_tokens, padded_kv_heads, group, padded_head_dim)[:, :kv_heads, :, :head_dim]
         return jnp.where(segments.real[:, None, None, None], out, 0).reshape(q.shape).astype(q.dtype)
