@@ -20,6 +20,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 .device_carry/plain_jax_decode.py 1 64 256 2>&1 | tee "$OUT/plain_jax.jsonl"
 python3 tools/bench.py --no-peer shape --shape llama3-8b --batch 1 64 256 \
     --offline 1024:128:128 2>&1 | tee "$OUT/jaxinfer_shape.jsonl"
+# the same decode steps through the reference backend: what the Pallas kernel gains (or a fallback)
+python3 tools/bench.py --no-peer shape --shape llama3-8b --attention reference --batch 1 64 256 \
+    --offline 2>&1 | tee "$OUT/jaxinfer_shape_reference.jsonl"
 python3 .device_carry/hf_peer.py --shape llama3-8b --device cuda --batch 1 64 256 2>&1 | tee "$OUT/hf_peer.jsonl"
 # the processor: the Pallas kernel's conformance and speed (targets: 5M instructions/s a slot, 500M/s over 256)
 python3 -m jaxinfer.processor.spec tests/data/wasm/*.wast --loop pallas 2>&1 | tail -1 | tee "$OUT/spec_pallas.txt"

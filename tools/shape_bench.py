@@ -149,9 +149,13 @@ def offline_spec(text: str) -> tuple[int, int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from jaxinfer.config import ATTENTION_BACKENDS
+
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
     p.add_argument("--engine-config", default="", help="engine TOML (default: configs/engine-cpu.toml on the "
                    "CPU, configs/engine-gpu.toml elsewhere); batch, lengths and pages are set to fit the runs")
+    p.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
+                   help="engine.attention_backend (default: the engine config's, auto)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--in-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -173,8 +177,9 @@ def bench(args: argparse.Namespace) -> None:
     max_seqs = max([*args.batch] + [min(n, 256) for n, _, _ in args.offline])
     with tempfile.TemporaryDirectory() as directory:
         start = time.perf_counter()
+        overrides = {} if args.attention is None else {"attention_backend": args.attention}
         llm = LLM(str(shape_folder(args.shape, Path(directory))), config, max_seqs=max_seqs,
-                  max_model_len=longest, num_pages=max_seqs * (-(-longest // 16) + 1) + 1, page_size=16)
+                  max_model_len=longest, num_pages=max_seqs * (-(-longest // 16) + 1) + 1, page_size=16, **overrides)
         emit(dict(what="jaxinfer_shape_env", shape=args.shape, jax=jax.__version__, backend=jax.default_backend(),
                   device=str(jax.devices()[0].device_kind), dtype=np.dtype(llm.dtype).name,
                   attention=backend_name(llm.config.attention_backend),
