@@ -15,16 +15,26 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 OUT=${OUT:-/tmp/issue8}
 mkdir -p "$OUT"
+# step SECONDS LOG command...: one measurement, cut off at SECONDS so that a hang or a slow compile
+# cannot spend the rest of the session's device time (the steps' limits sum to 495 s of the 540)
+step() {
+  local seconds=$1 log=$2
+  shift 2
+  timeout "$seconds" "$@" >"$OUT/$log" 2>&1
+  local rc=$?
+  tail -n 12 "$OUT/$log"
+  [ "$rc" = 0 ] || echo "STEP $log exited $rc (124: cut off at ${seconds}s)" | tee -a "$OUT/steps.txt"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-# the bar to beat, then jaxinfer on the same shape (Pallas attention), then transformers
-python3 .device_carry/plain_jax_decode.py 1 64 256 2>&1 | tee "$OUT/plain_jax.jsonl"
-python3 tools/bench.py --no-peer shape --shape llama3-8b --batch 1 64 256 \
-    --offline 1024:128:128 2>&1 | tee "$OUT/jaxinfer_shape.jsonl"
-# the same decode steps through the reference backend: what the Pallas kernel gains (or a fallback)
-python3 tools/bench.py --no-peer shape --shape llama3-8b --attention reference --batch 1 64 256 \
-    --offline 2>&1 | tee "$OUT/jaxinfer_shape_reference.jsonl"
-python3 .device_carry/hf_peer.py --shape llama3-8b --device cuda --batch 1 64 256 2>&1 | tee "$OUT/hf_peer.jsonl"
+# the bar to beat, then jaxinfer on the same shape (Pallas attention), the reference backend, transformers
+step 75 plain_jax.jsonl python3 .device_carry/plain_jax_decode.py 1 64 256
+step 180 jaxinfer_shape.jsonl python3 tools/bench.py --no-peer shape --shape llama3-8b --batch 1 64 256 \
+    --offline 1024:128:128
+step 75 jaxinfer_shape_reference.jsonl python3 tools/bench.py --no-peer shape --shape llama3-8b \
+    --attention reference --batch 1 64 256 --offline
+step 60 hf_peer.jsonl python3 .device_carry/hf_peer.py --shape llama3-8b --device cuda --batch 1 64 256
 # the processor: the Pallas kernel's conformance and speed (targets: 5M instructions/s a slot, 500M/s over 256)
-python3 -m jaxinfer.processor.spec tests/data/wasm/*.wast --loop pallas 2>&1 | tail -1 | tee "$OUT/spec_pallas.txt"
-python3 tools/bench.py processor --loop pallas --slots 256 --json "$OUT/processor_pallas.json" 2>&1 | tail -1
-python3 tools/bench.py processor --loop while --slots 256 --programs bignum 2>&1 | tail -1 | tee "$OUT/processor_while.jsonl"
+step 40 spec_pallas.txt python3 -m jaxinfer.processor.spec tests/data/wasm/*.wast --loop pallas
+step 40 processor_pallas.txt python3 tools/bench.py processor --loop pallas --slots 256 \
+    --json "$OUT/processor_pallas.json"
+step 25 processor_while.jsonl python3 tools/bench.py processor --loop while --slots 256 --programs bignum
