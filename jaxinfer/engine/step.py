@@ -180,7 +180,8 @@ class ModelRunner:
         self._jitted = jax.jit(functools.partial(_step, cache_shardings=self.cache_shardings, exec_fn=exec_fn),
                                static_argnums=0,
                                donate_argnums=(2, 5) if exec_fn is not None else (2,))
-        self._export_fn = jax.jit(functools.partial(_export, model.kv_layout))
+        self._export_pages = functools.partial(_export, model.kv_layout)
+        self._export_fn = jax.jit(self._export_pages)
         self._import_fn = jax.jit(functools.partial(_import, model.kv_layout), donate_argnums=(0,),
                                   out_shardings=self.cache_shardings)
         self._import_rows_fn = None  # set by `warmup_tiers` where the platform has pinned host memory
@@ -397,8 +398,7 @@ class ModelRunner:
         if self._import_rows_fn is None and self._has_pinned_host():
             probe = self._export_fn(self.caches, jax.device_put(np.zeros(TIER_CHUNK, np.int32), self.replicated))
             device = probe.sharding
-            self._export_fn = jax.jit(functools.partial(_export, self.model.kv_layout),
-                                      out_shardings=device.with_memory_kind("pinned_host"))
+            self._export_fn = jax.jit(self._export_pages, out_shardings=device.with_memory_kind("pinned_host"))
             self._import_rows_fn = jax.jit(functools.partial(_import_rows, self.model.kv_layout, device),
                                            donate_argnums=(0,), out_shardings=self.cache_shardings)
         for group in self.export_pages([0]):  # the null page: reading and rewriting it is harmless

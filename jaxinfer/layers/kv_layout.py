@@ -20,7 +20,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxinfer.parallel import named_sharding
 
@@ -50,6 +50,11 @@ class KVLayout(Protocol):
 
     def import_pages(self, cache: Any, pages: jax.Array, data: jax.Array) -> Any: ...
 
+    def heads_spec(self, model_parallel: int) -> PartitionSpec | None:
+        """How a cache's kv heads are split over a model axis of `model_parallel` devices (None: kept
+        whole on every device), the same rule `empty` shards by."""
+        ...
+
 
 def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, mesh: Mesh | None) -> jax.Array:
     if mesh is None:
@@ -69,6 +74,9 @@ class SplitPages:
     def update(self, cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
         """Scatters new k, v [T, kv_heads, head_dim] to their slots (page * page_size + offset)."""
         return KVCache(_scatter_split(cache.k, k, slots), _scatter_split(cache.v, v, slots))
+
+    def heads_spec(self, model_parallel: int) -> PartitionSpec | None:
+        return PartitionSpec("model") if self.kv_heads % model_parallel == 0 else None  # `spec_for`'s rule
 
     def export(self, cache: KVCache, pages: jax.Array) -> jax.Array:
         return jnp.moveaxis(jnp.stack([cache.k[:, pages], cache.v[:, pages]]), 2, 0)
@@ -119,8 +127,13 @@ class CombinedPages:
         return 2 * self.padded_kv_heads * self.shards
 
     def local(self) -> CombinedPages:
-        """The layout of one shard's block, as the kernel on that device sees it."""
+        """The layout of one device's block of heads, as the kernel on that device sees it."""
+        if self.shards == 1:
+            return self
         return CombinedPages(self.kv_heads // self.shards, self.head_dim, self.padded_kv_heads, self.padded_head_dim)
+
+    def heads_spec(self, model_parallel: int) -> PartitionSpec | None:
+        return PartitionSpec(None, None, "model", None) if self.shards > 1 else None
 
     def empty(self, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> jax.Array:
         shape = (num_pages, page_size, self.combined_heads, self.padded_head_dim)
@@ -129,19 +142,22 @@ class CombinedPages:
         return _zeros(shape, axes, dtype, mesh)
 
     def pad_heads(self, x: jax.Array) -> jax.Array:
-        """[..., kv_heads, 2, head_dim] -> [..., shards * padded_kv_heads, 2, padded_head_dim], zeros in the padding."""
-        lead, local = x.shape[:-3], self.kv_heads // self.shards
-        x = x.reshape(*lead, self.shards, local, 2, self.head_dim)
+        """[..., kv_heads, n, head_dim] -> [..., shards * padded_kv_heads, n, padded_head_dim], zeros in the
+        padding (n is 2 for a key and its value, or a GQA group of queries)."""
+        *lead, _, n, _ = x.shape
+        local = self.kv_heads // self.shards
+        x = x.reshape(*lead, self.shards, local, n, self.head_dim)
         pad = [(0, 0)] * x.ndim
         pad[-3] = (0, self.padded_kv_heads - local)
         pad[-1] = (0, self.padded_head_dim - self.head_dim)
-        return jnp.pad(x, pad).reshape(*lead, self.shards * self.padded_kv_heads, 2, self.padded_head_dim)
+        return jnp.pad(x, pad).reshape(*lead, self.shards * self.padded_kv_heads, n, self.padded_head_dim)
 
     def strip_heads(self, x: jax.Array) -> jax.Array:
         """The inverse of `pad_heads`."""
-        lead, local = x.shape[:-3], self.kv_heads // self.shards
-        x = x.reshape(*lead, self.shards, self.padded_kv_heads, 2, self.padded_head_dim)
-        return x[..., :local, :, : self.head_dim].reshape(*lead, self.kv_heads, 2, self.head_dim)
+        *lead, _, n, _ = x.shape
+        x = x.reshape(*lead, self.shards, self.padded_kv_heads, n, self.padded_head_dim)
+        x = x[..., : self.kv_heads // self.shards, :, : self.head_dim]
+        return x.reshape(*lead, self.kv_heads, n, self.head_dim)
 
     def update(self, cache: jax.Array, k: jax.Array, v: jax.Array, slots: jax.Array) -> jax.Array:
         """Writes k, v [T, kv_heads, head_dim] interleaved: [T, combined_heads, padded_head_dim]."""

@@ -22,10 +22,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
-from jax.sharding import PartitionSpec
 
 from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, on_each_model_device
-from jaxinfer.layers.kv_layout import KVCache, KVLayout
+from jaxinfer.layers.kv_layout import KVCache, SplitPages
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
 
@@ -69,13 +68,12 @@ class PallasGpuAttention(SplitLayout):
     model_parallel: int = 1  # devices on the replica mesh's model axis
 
     def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
-               layout: KVLayout | None = None) -> jax.Array:
+               layout: SplitPages | None = None) -> jax.Array:
+        """`layout` (the model passes it) is needed only to split the kernel over a model axis."""
         if self.model_parallel == 1:
             return self._attend_local(q, cache, meta, scale)
-        split = cache.k.shape[0] % self.model_parallel == 0  # the pools' own rule (parallel.mesh.spec_for)
         return on_each_model_device(functools.partial(self._attend_local, scale=scale), q, cache, meta,
-                                    model_parallel=self.model_parallel,
-                                    cache_spec=PartitionSpec("model") if split else None)
+                                    model_parallel=self.model_parallel, layout=layout)
 
     def _attend_local(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float) -> jax.Array:
         k_cache, v_cache = cache

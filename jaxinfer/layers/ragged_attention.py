@@ -25,7 +25,6 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, largest_divisor_at_most, on_each_model_device
 from jaxinfer.layers.kv_layout import CombinedPages
@@ -63,7 +62,7 @@ def ragged_segments(meta: AttentionMetadata, page_size: int) -> RaggedSegments:
     kv_lens = jnp.minimum(kv_lens, meta.page_table.shape[1] * page_size)
     cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts, dtype=jnp.int32)])
     num_seqs = jnp.max(jnp.where(real, rows, -1), keepdims=True).astype(jnp.int32) + 1
-    return RaggedSegments(kv_lens, meta.page_table.astype(jnp.int32), cu_q_lens, num_seqs, real)
+    return RaggedSegments(kv_lens, meta.page_table, cu_q_lens, num_seqs, real)
 
 
 def contract_reference(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array, page_indices: jax.Array,
@@ -123,23 +122,19 @@ class RaggedPagedAttention:
                layout: CombinedPages) -> jax.Array:
         if self.model_parallel == 1:
             return self._attend_local(q, cache, meta, scale, layout)
-        split = layout.shards > 1
-        local = functools.partial(self._attend_local, scale=scale, layout=layout.local() if split else layout)
-        return on_each_model_device(local, q, cache, meta, model_parallel=self.model_parallel,
-                                    cache_spec=PartitionSpec(None, None, "model", None) if split else None)
+        local = functools.partial(self._attend_local, scale=scale, layout=layout.local())
+        return on_each_model_device(local, q, cache, meta, model_parallel=self.model_parallel, layout=layout)
 
     def _attend_local(self, q: jax.Array, cache: jax.Array, meta: AttentionMetadata, scale: float,
                       layout: CombinedPages) -> jax.Array:
         num_tokens, num_heads, head_dim = q.shape
-        kv_heads, padded_kv_heads, padded_head_dim = layout.kv_heads, layout.padded_kv_heads, layout.padded_head_dim
-        group = num_heads // kv_heads
-        grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(cache.dtype)
-        grouped = jnp.pad(grouped, ((0, 0), (0, padded_kv_heads - kv_heads), (0, 0), (0, padded_head_dim - head_dim)))
+        group = num_heads // layout.kv_heads
+        grouped = layout.pad_heads(q.reshape(num_tokens, layout.kv_heads, group, head_dim).astype(cache.dtype))
         segments = ragged_segments(meta, cache.shape[1])
         out = self.kernel(
-            grouped.reshape(num_tokens, padded_kv_heads * group, padded_head_dim), cache, segments.kv_lens,
+            grouped.reshape(num_tokens, -1, layout.padded_head_dim), cache, segments.kv_lens,
             segments.page_indices, segments.cu_q_lens, segments.num_seqs, sm_scale=scale,
             **self._block_sizes(num_tokens, cache.shape[1], meta.page_table.shape[1]),
         )
-        out = out.reshape(num_tokens, padded_kv_heads, group, padded_head_dim)[:, :kv_heads, :, :head_dim]
+        out = layout.strip_heads(out.reshape(grouped.shape))
         return jnp.where(segments.real[:, None, None, None], out, 0).reshape(q.shape).astype(q.dtype)
