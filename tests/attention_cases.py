@@ -4,10 +4,12 @@ the null page), in the split layout that the reference backend reads."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
 
 HEAD_DIM = 32
 
@@ -45,3 +47,13 @@ CASES = {
     "mixed": [(30, 1), (0, 17), (12, 1), (5, 6)],
     "many_pages": [(200, 1), (150, 10)],
 }
+
+
+def moved_into(layout: KVLayout, k_cache: jax.Array, v_cache: jax.Array, mesh=None):
+    """The split-layout pools' pages in `layout` (sharded on `mesh` when given), moved through the
+    layouts' neutral form."""
+    kv_heads, num_pages, page_size, head_dim = k_cache.shape
+    every_page = jnp.arange(num_pages)
+    neutral = SplitPages(kv_heads, head_dim).export(KVCache(k_cache, v_cache), every_page)
+    empty = layout.empty(num_pages, page_size, k_cache.dtype, mesh)
+    return jax.jit(layout.import_pages)(empty, every_page, neutral)

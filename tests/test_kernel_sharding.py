@@ -18,10 +18,10 @@ CHILD = r"""
 import json, sys
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[1])
-from attention_cases import CASES, ragged_batch
+from attention_cases import CASES, moved_into, ragged_batch
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.attention import ReferenceAttention
-from jaxinfer.layers.kv_layout import SPLIT_AXES, KVCache, SplitPages
+from jaxinfer.layers.kv_layout import KVCache
 from jaxinfer.layers.pallas_attention import PallasGpuAttention
 from jaxinfer.layers.ragged_attention import RaggedPagedAttention
 from jaxinfer.parallel import make_mesh, named_sharding
@@ -35,9 +35,7 @@ def run(backend, kv_heads, model_parallel):
     expected = ReferenceAttention().attend(q, KVCache(k, v), meta, 0.2)
     mesh = make_mesh(1, model_parallel, devices=jax.devices()[:model_parallel])
     layout = backend.layout_for(kv_heads, q.shape[2], jnp.float32)
-    every_page = jnp.arange(k.shape[1])
-    neutral = SplitPages(kv_heads, q.shape[2]).export(KVCache(k, v), every_page)
-    cache = jax.jit(layout.import_pages)(layout.empty(k.shape[1], 16, jnp.float32, mesh), every_page, neutral)
+    cache = moved_into(layout, k, v, mesh)
     q = jax.device_put(q, named_sharding(q.shape, (None, "heads", None), mesh))
     meta = jax.device_put(meta, NamedSharding(mesh, PartitionSpec()))
     attend = jax.jit(lambda q, c, m: backend.attend(q, c, m, 0.2, layout))

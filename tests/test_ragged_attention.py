@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import CASES, ragged_batch
+from attention_cases import CASES, moved_into, ragged_batch
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.errors import ConfigError
@@ -31,14 +31,10 @@ def with_padding(meta: AttentionMetadata, extra: int) -> AttentionMetadata:
                              jnp.concatenate([meta.write_slots, jnp.zeros(extra, jnp.int32)]))
 
 
-def combined_copy(k_cache: jax.Array, v_cache: jax.Array, dtype=jnp.float32) -> tuple[jax.Array, CombinedPages]:
-    """The same pages in the combined layout, moved through the layouts' neutral form."""
-    kv_heads, num_pages, page_size, head_dim = k_cache.shape
-    every_page = jnp.arange(num_pages)
-    neutral = SplitPages(kv_heads, head_dim).export(KVCache(k_cache, v_cache), every_page)
-    layout = CombinedPages.for_mosaic(kv_heads, head_dim, dtype)
-    empty = layout.empty(num_pages, page_size, dtype)
-    return layout.import_pages(empty, every_page, neutral), layout
+def combined_copy(k_cache: jax.Array, v_cache: jax.Array) -> tuple[jax.Array, CombinedPages]:
+    """The same pages in the combined layout."""
+    layout = CombinedPages.for_mosaic(k_cache.shape[0], k_cache.shape[3], k_cache.dtype)
+    return moved_into(layout, k_cache, v_cache), layout
 
 
 @pytest.mark.parametrize("case", ["mixed", "many_pages"])
@@ -88,7 +84,7 @@ def test_backend_matches_the_reference_backend(case: str, group: int, page_size:
 def test_bfloat16_pages_stay_within_bfloat16_rounding() -> None:
     q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=4, page_size=16, table_width=16)
     expected = np.asarray(ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2))
-    cache, layout = combined_copy(k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16), jnp.bfloat16)
+    cache, layout = combined_copy(k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16))
     assert cache.dtype == jnp.bfloat16
     got = RaggedPagedAttention.plain_jax().attend(q.astype(jnp.bfloat16), cache, meta, 0.2, layout)
     np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=0.01 * np.abs(expected).max())
