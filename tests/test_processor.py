@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxinfer.config import EXEC_LOOPS
 from jaxinfer.processor import (
     Instance,
     InvalidModule,
@@ -220,12 +221,12 @@ def test_every_loop_gives_the_same_results_traces_and_counts(name: str) -> None:
                        "(i32.const 0)", "i32", "(memory 1)"), []),
     }
     module, args = programs[name]
-    traced = [run(module, "main", args, trace_entries=64, loop=loop) for loop in machine.LOOPS]
+    traced = [run(module, "main", args, trace_entries=64, loop=loop) for loop in EXEC_LOOPS]
     assert traced[0] == traced[1] == traced[2]
     assert traced[0].instructions > 0 and len(traced[0].trace) > 0
-    plain = [run(module, "main", args, loop=loop) for loop in machine.LOOPS]
+    plain = [run(module, "main", args, loop=loop) for loop in EXEC_LOOPS]
     assert plain[0] == plain[1] == plain[2] == dataclasses.replace(traced[0], trace=[])
-    slots = [run_slots(module, "main", [args, args, args], loop=loop) for loop in machine.LOOPS]
+    slots = [run_slots(module, "main", [args, args, args], loop=loop) for loop in EXEC_LOOPS]
     assert slots[0] == slots[1] == slots[2] == [plain[0]] * 3
 
 

@@ -33,7 +33,6 @@ from jaxinfer.processor.isa import ABSOLUTE, FIELD, LOAD_SIGNED, LOAD_WIDE, NO_W
 
 PAGE_BYTES = 65536
 U32 = jnp.uint32
-LOOPS = EXEC_LOOPS
 
 
 @dataclass(frozen=True)
@@ -51,8 +50,8 @@ class MachineShape:
     loop: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.loop not in LOOPS:
-            raise ValueError(f"loop must be one of {LOOPS}, got {self.loop!r}")
+        if self.loop not in EXEC_LOOPS:
+            raise ValueError(f"loop must be one of {EXEC_LOOPS}, got {self.loop!r}")
 
     @property
     def memory_bytes(self) -> int:

@@ -20,10 +20,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jaxinfer.config import EXEC_LOOPS
 from jaxinfer.processor.binary import MalformedModule
 from jaxinfer.processor.instance import Instance, compile_module, to_binary
 from jaxinfer.processor.lower import Unsupported
-from jaxinfer.processor.machine import LOOPS
 from jaxinfer.processor.validate import InvalidModule
 
 FLOAT_TYPES = {"f32", "f64"}
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m jaxinfer.processor.spec", description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--verbose", action="store_true", help="list every skip and failure with its reason")
-    parser.add_argument("--loop", choices=LOOPS, default="auto",
+    parser.add_argument("--loop", choices=EXEC_LOOPS, default="auto",
                         help="the machine's loop: one kernel on the CPU (auto), the portable while loop, or the "
                         "Pallas GPU kernel (its interpreter on the CPU)")
     parser.add_argument("--memory-pages", type=int, default=SPEC_MEMORY_PAGES,
