@@ -165,7 +165,7 @@ class EngineConfig:
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu | pallas_tpu | ragged_reference
     attention_block_tokens: int = 128  # keys visited per attention loop iteration
-    attention_query_tile: int = 16  # queries that share one gather when they belong to one sequence
+    attention_query_tile: int = 16  # tokens of one sequence that share each key block's read (all backends)
     mesh_data: int = 1
     mesh_model: int = 0  # 0: all remaining devices
     prefix_caching: bool = True

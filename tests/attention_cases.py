@@ -41,6 +41,14 @@ def ragged_batch(sequences: list[tuple[int, int]], *, kv_heads: int, group: int,
     return jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache), meta
 
 
+def with_padding(meta: AttentionMetadata, extra: int) -> AttentionMetadata:
+    """The step's padding: `extra` tokens with the last row, position 0, writing to the null page."""
+    pad = jnp.full(extra, meta.seq_rows[-1], jnp.int32)
+    return AttentionMetadata(jnp.concatenate([meta.positions, jnp.zeros(extra, jnp.int32)]),
+                             jnp.concatenate([meta.seq_rows, pad]), meta.page_table,
+                             jnp.concatenate([meta.write_slots, jnp.zeros(extra, jnp.int32)]))
+
+
 CASES = {
     "prefill_only": [(0, 24), (0, 9)],
     "decode_only": [(40, 1), (7, 1), (63, 1), (1, 1)],

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import CASES, HEAD_DIM, ragged_batch
+from attention_cases import CASES, HEAD_DIM, ragged_batch, with_padding
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, backend_name, make_backend
 from jaxinfer.layers.kv_layout import KVCache
-from jaxinfer.layers.pallas_attention import PallasGpuAttention
+from jaxinfer.layers.pallas_attention import PallasGpuAttention, max_query_tiles, query_tiles
 
 
 @pytest.mark.parametrize("page_size", [16, 32])
@@ -30,6 +30,66 @@ def test_kernel_matches_the_reference_backend(case: str, group: int, page_size: 
     kernel = PallasGpuAttention(block_tokens=64, interpret=True)
     got = jax.jit(kernel.attend, static_argnums=3)(q, KVCache(k_cache, v_cache), meta, scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("case", "group", "query_tile"), [("prefill_only", 8, 4), ("many_pages", 1, 32)])
+def test_tile_sizes_change_nothing_but_the_reads(case: str, group: int, query_tile: int) -> None:
+    """Tiles of 4 tokens (32 rows with a GQA group of 8) split each prefill into several tiles; tiles of
+    32 take a whole 24-token prefill in one."""
+    q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=group, page_size=16, table_width=16)
+    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    kernel = PallasGpuAttention(block_tokens=32, query_tile=query_tile, interpret=True)
+    assert kernel.tile_tokens(group) == query_tile
+    got = kernel.attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
+
+
+def test_padding_tokens_get_zeros_and_leave_the_real_ones_alone() -> None:
+    q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=3, page_size=16, table_width=16)
+    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    q_padded = jnp.concatenate([q, jnp.ones((21, *q.shape[1:]), q.dtype)])
+    got = PallasGpuAttention(interpret=True).attend(q_padded, KVCache(k_cache, v_cache), with_padding(meta, 21), 0.2)
+    np.testing.assert_allclose(np.asarray(got[: q.shape[0]]), np.asarray(expected), atol=2e-5, rtol=2e-5)
+    assert not np.any(np.asarray(got[q.shape[0] :])), "padding tokens' outputs are zero"
+
+
+def test_query_tiles_of_a_small_batch() -> None:
+    # row 0: positions 5..9; row 1: position 12; row 2: positions 0..2; then 4 padding tokens
+    meta = with_padding(AttentionMetadata(jnp.array([5, 6, 7, 8, 9, 12, 0, 1, 2], jnp.int32),
+                                          jnp.array([0, 0, 0, 0, 0, 1, 2, 2, 2], jnp.int32),
+                                          jnp.zeros((3, 4), jnp.int32), jnp.zeros(9, jnp.int32)), 4)
+    tiles = query_tiles(meta, 2)
+    used = int(np.sum(np.asarray(tiles.length) > 0))
+    assert np.asarray(tiles.start)[:used].tolist() == [0, 2, 4, 5, 6, 8, 9, 11]
+    assert np.asarray(tiles.length)[:used].tolist() == [2, 2, 1, 1, 2, 1, 2, 2]
+    assert np.asarray(tiles.row)[:used].tolist() == [0, 0, 0, 1, 2, 2, -1, -1]
+    assert np.asarray(tiles.first_position)[:used].tolist() == [5, 7, 9, 12, 0, 2, 0, 0]
+    assert tiles.start.shape[0] == max_query_tiles(13, 3, 2) == 11
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_query_tiles_cover_every_token_once_within_one_row(seed: int) -> None:
+    """Random steps (1-token decodes, long prefills, padding or none): each token lies in exactly one
+    tile, a tile never leaves its row, and the static bound always holds."""
+    rng = np.random.default_rng(seed)
+    sequences = [(int(rng.integers(0, 50)), int(rng.choice([1, 1, 2, 7, 16, 33]))) for _ in range(rng.integers(1, 9))]
+    _, _, _, meta = ragged_batch(sequences, kv_heads=1, group=1, page_size=16, table_width=8, head_dim=4)
+    padding = int(rng.integers(0, 20))
+    meta = with_padding(meta, padding) if padding else meta
+    tile_tokens = int(rng.choice([1, 4, 16]))
+    tiles = jax.tree.map(np.asarray, jax.jit(query_tiles, static_argnums=1)(meta, tile_tokens))
+    rows, positions = np.asarray(meta.seq_rows), np.asarray(meta.positions)
+    num_real = len(rows) - padding
+    covered = np.zeros(len(rows), int)
+    for start, length, row, first in zip(tiles.start, tiles.length, tiles.row, tiles.first_position, strict=True):
+        assert 0 <= length <= tile_tokens
+        tokens = np.arange(start, start + length)
+        covered[tokens] += 1
+        if length and row >= 0:
+            assert np.all(rows[tokens] == row) and np.all(positions[tokens] == first + np.arange(length))
+        elif length:
+            assert np.all(tokens >= num_real), "a padding tile holds only padding"
+    assert np.all(covered == 1)
 
 
 def test_a_wrong_causal_mask_is_caught() -> None:

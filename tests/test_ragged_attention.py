@@ -14,21 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import CASES, moved_into, ragged_batch
+from attention_cases import CASES, moved_into, ragged_batch, with_padding
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, backend_name, make_backend
 from jaxinfer.layers.kv_layout import CombinedPages, KVCache, SplitPages
 from jaxinfer.layers.ragged_attention import RaggedPagedAttention, contract_reference, ragged_segments
-
-
-def with_padding(meta: AttentionMetadata, extra: int) -> AttentionMetadata:
-    """The step's padding: `extra` tokens with the last row, position 0, writing to the null page."""
-    pad = jnp.full(extra, meta.seq_rows[-1], jnp.int32)
-    return AttentionMetadata(jnp.concatenate([meta.positions, jnp.zeros(extra, jnp.int32)]),
-                             jnp.concatenate([meta.seq_rows, pad]), meta.page_table,
-                             jnp.concatenate([meta.write_slots, jnp.zeros(extra, jnp.int32)]))
 
 
 def combined_copy(k_cache: jax.Array, v_cache: jax.Array) -> tuple[jax.Array, CombinedPages]:

@@ -61,6 +61,16 @@ def largest_divisor_at_most(n: int, limit: int) -> int:
     return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
 
 
+def real_tokens(meta: AttentionMetadata) -> jax.Array:
+    """[T] bool, False for the step's padding. The first padding token is the first that repeats the
+    previous token's row without continuing its positions (padding carries the last row and position 0;
+    a row's real tokens are contiguous at consecutive positions)."""
+    rows, positions = meta.seq_rows, meta.positions
+    breaks = (rows[1:] == rows[:-1]) & (positions[1:] != positions[:-1] + 1)
+    num_real = jnp.argmax(jnp.append(breaks, True)) + 1  # the appended break: no padding, all T are real
+    return jnp.arange(rows.shape[0]) < num_real
+
+
 def on_each_model_device(local_attend: Callable[..., jax.Array], q: jax.Array, cache: Any, meta: AttentionMetadata,
                          *, model_parallel: int, layout: KVLayout) -> jax.Array:
     """Runs a kernel's attention in `shard_map` over the model axis of a replica's mesh (data x model,
@@ -213,7 +223,7 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
     if name == "pallas_gpu":
         from jaxinfer.layers.pallas_attention import PallasGpuAttention
 
-        return PallasGpuAttention(block_tokens=block_tokens, model_parallel=model_parallel)
+        return PallasGpuAttention(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
     if name in ("pallas_tpu", "ragged_reference"):
         from jaxinfer.layers.ragged_attention import RaggedPagedAttention
 

@@ -1,11 +1,14 @@
 """Paged attention as a Pallas GPU (Triton) kernel that reads KV pages in place.
 
-One program per (token, kv head) of the flat ragged batch: it loads the token's query heads of that
-kv head (the GQA group, padded to at least 16 rows for the tensor-core dot), walks the token's own
-sequence through the page table in blocks of ``block_pages`` pages, loads each block's pages
-straight from the page pools (``k_ref[page_ids]``, no gather copy in HBM), and keeps an online
-softmax in float32. Causality comes from positions: a token sees the keys at positions up to its
-own, so prefill chunks, decode tokens and speculative verification tokens all take the same path.
+The flat ragged batch is cut into query tiles: up to ``query_tile`` consecutive tokens of one
+sequence (`query_tiles`, computed on the device from the step's metadata). One program per
+(tile, kv head) loads the tile's query heads of that kv head (tokens x GQA group, at least 16 rows
+for the tensor-core dot), walks the sequence through the page table in blocks of ``block_pages``
+pages, loads each block's pages straight from the page pools (``k_ref[page_ids]``, no gather copy in
+HBM) and keeps an online softmax in float32. A prefill chunk thus reads its keys once per tile, not
+once per token; a decode token is a tile of its own. Causality comes from positions: a token sees
+the keys at positions up to its own, so prefill chunks, decode tokens and speculative verification
+tokens all take the same path. The step's padding tokens form tiles of their own that write zeros.
 
 The cache layout is the reference backend's, ``[kv_heads, num_pages, page_size, head_dim]`` per
 layer (``kv_layout.SplitPages``), so the two backends are interchangeable. With
@@ -23,19 +26,63 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, on_each_model_device
+from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, on_each_model_device, real_tokens
 from jaxinfer.layers.kv_layout import KVCache, SplitPages
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
 
 
-def _kernel(rows_ref, positions_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *, block_pages: int,
-            scale: float) -> None:
-    row, position = rows_ref[0], positions_ref[0]
-    page_size, head_dim = k_ref.shape[-2], k_ref.shape[-1]
-    block_len = block_pages * page_size
-    q = q_ref[...]
-    group = q.shape[0]
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QueryTiles:
+    """The batch cut into tiles of consecutive tokens of one sequence, padded to a static count.
+
+    Tiles past the used ones have ``length`` 0; they and the padding tokens' tiles have ``row`` -1."""
+
+    start: jax.Array  # [M] first token of the tile in the flat batch
+    length: jax.Array  # [M] tokens in the tile (at most the tile size)
+    row: jax.Array  # [M] the tile's page-table row, -1 for padding
+    first_position: jax.Array  # [M] position of the tile's first token (the rest follow it)
+
+
+def max_query_tiles(num_tokens: int, num_rows: int, tile_tokens: int) -> int:
+    """A bound on the tiles of any batch: each of the rows and the padding adds at most one partial tile."""
+    return -(-num_tokens // tile_tokens) + num_rows + 1
+
+
+def query_tiles(meta: AttentionMetadata, tile_tokens: int) -> QueryTiles:
+    """Cuts each row's tokens, and the padding after them, into tiles of at most `tile_tokens` tokens."""
+    rows, positions = meta.seq_rows, meta.positions
+    num_tokens = rows.shape[0]
+    token = jnp.arange(num_tokens)
+    real = real_tokens(meta)
+    # A run is one row's tokens, or all the padding; a run's first token is where the row changes or
+    # where the padding begins.
+    previous_real = jnp.concatenate([jnp.ones(1, bool), real[:-1]])
+    changes = jnp.concatenate([jnp.ones(1, bool), rows[1:] != rows[:-1]])
+    run_begins = (real & changes) | (~real & previous_real)
+    run_first = lax.cummax(jnp.where(run_begins, token, 0))
+    run_last = lax.cummin(jnp.where(jnp.append(run_begins[1:], True), token, num_tokens), reverse=True)
+    begins_tile = (token - run_first) % tile_tokens == 0
+    bound = max_query_tiles(num_tokens, meta.page_table.shape[0], tile_tokens)
+    (start,) = jnp.nonzero(begins_tile, size=bound, fill_value=num_tokens)
+    used = start < num_tokens
+    first = jnp.minimum(start, num_tokens - 1)
+    length = jnp.where(used, jnp.minimum(tile_tokens, run_last[first] + 1 - start), 0)
+    row = jnp.where(used & real[first], rows[first], -1)
+    return QueryTiles(start.astype(jnp.int32), length.astype(jnp.int32), row.astype(jnp.int32),
+                      positions[first])
+
+
+def _kernel(start_ref, length_ref, row_ref, first_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
+            tile_tokens: int, block_pages: int, scale: float) -> None:
+    start, length, row, first = start_ref[0], length_ref[0], row_ref[0], first_ref[0]
+    group, head_dim = q_ref.shape[1:]
+    page_size = k_ref.shape[-2]
+    block_len, rows = block_pages * page_size, tile_tokens * group
+    in_tile = lax.broadcasted_iota(jnp.int32, (tile_tokens, group, head_dim), 0) < length
+    q = pl_triton.load(q_ref.at[pl.ds(start, tile_tokens)], mask=in_tile, other=0).reshape(rows, head_dim)
+    query_positions = first + lax.broadcasted_iota(jnp.int32, (rows, block_len), 0) // group
 
     def visit(block: jax.Array, carry):
         best, total, acc = carry
@@ -43,8 +90,8 @@ def _kernel(rows_ref, positions_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref,
         keys = k_ref[page_ids].reshape(block_len, head_dim)
         values = v_ref[page_ids].reshape(block_len, head_dim)
         scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
-        key_positions = block * block_len + lax.broadcasted_iota(jnp.int32, (group, block_len), 1)
-        scores = jnp.where(key_positions <= position, scores, NEG_INF)
+        key_positions = block * block_len + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
+        scores = jnp.where(key_positions <= query_positions, scores, NEG_INF)
         new_best = jnp.maximum(best, scores.max(axis=-1))
         weights = jnp.exp(scores - new_best[:, None])
         correction = jnp.exp(best - new_best)
@@ -53,10 +100,17 @@ def _kernel(rows_ref, positions_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref,
             weights.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return new_best, total, acc
 
-    init = (jnp.full((group,), NEG_INF, jnp.float32), jnp.zeros((group,), jnp.float32),
-            jnp.zeros((group, head_dim), jnp.float32))
-    _, total, acc = lax.fori_loop(0, position // block_len + 1, visit, init)
-    o_ref[...] = (acc / total[:, None]).astype(o_ref.dtype)
+    # A row's blocks end with its page table: a draft row past its budget keeps counting positions
+    # (its output is dropped), and reading past the table would leave the row.
+    table_blocks = page_table_ref.shape[1] // block_pages
+    last_position = first + length - 1
+    num_blocks = jnp.where(row >= 0, jnp.minimum(last_position // block_len + 1, table_blocks), 0)
+    init = (jnp.full((rows,), NEG_INF, jnp.float32), jnp.zeros((rows,), jnp.float32),
+            jnp.zeros((rows, head_dim), jnp.float32))
+    _, total, acc = lax.fori_loop(0, num_blocks, visit, init)
+    out = acc / jnp.where(total > 0, total, 1.0)[:, None]  # padding tiles visit nothing and write zeros
+    pl_triton.store(o_ref.at[pl.ds(start, tile_tokens)], out.reshape(tile_tokens, group, head_dim).astype(o_ref.dtype),
+                    mask=in_tile)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +118,7 @@ class PallasGpuAttention(SplitLayout):
     """The ``AttentionBackend`` of GPUs: ragged paged attention in one Pallas kernel per layer."""
 
     block_tokens: int = 128
+    query_tile: int = 16  # tokens of one sequence per program (engine.attention_query_tile)
     interpret: bool = False  # run through Pallas's interpreter (CPU tests)
     model_parallel: int = 1  # devices on the replica mesh's model axis
 
@@ -80,30 +135,34 @@ class PallasGpuAttention(SplitLayout):
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, num_pages, page_size, _ = k_cache.shape
         group = num_heads // kv_heads
-        rows = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
+        padded_group = pl.next_power_of_2(group)
+        tile_tokens = self.tile_tokens(group)
         grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k_cache.dtype)
-        grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+        grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
         block_pages = self._block_pages(page_size, meta.page_table.shape[1])
+        tiles = query_tiles(meta, tile_tokens)
         pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda t, h: (h, 0, 0, 0))
-        per_token = pl.BlockSpec((1,), lambda t, h: (t,))
+        per_tile = pl.BlockSpec((1,), lambda t, h: (t,))
+        every_token = pl.BlockSpec((num_tokens, None, padded_group, head_dim), lambda t, h: (0, h, 0, 0))
         out = pl.pallas_call(
-            functools.partial(_kernel, block_pages=block_pages, scale=scale),
-            grid=(num_tokens, kv_heads),
-            in_specs=[
-                per_token,
-                per_token,
-                pl.BlockSpec(meta.page_table.shape, lambda t, h: (0, 0)),
-                pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
-                pool,
-                pool,
-            ],
-            out_specs=pl.BlockSpec((None, None, rows, head_dim), lambda t, h: (t, h, 0, 0)),
-            out_shape=jax.ShapeDtypeStruct((num_tokens, kv_heads, rows, head_dim), q.dtype),
+            functools.partial(_kernel, tile_tokens=tile_tokens, block_pages=block_pages, scale=scale),
+            grid=(tiles.start.shape[0], kv_heads),
+            in_specs=[per_tile] * 4 + [pl.BlockSpec(meta.page_table.shape, lambda t, h: (0, 0)), every_token,
+                                       pool, pool],
+            out_specs=every_token,
+            out_shape=jax.ShapeDtypeStruct(grouped.shape, q.dtype),
             interpret=self.interpret,
-            compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+            compiler_params=pl_triton.CompilerParams(num_warps=4 if tile_tokens * padded_group <= 64 else 8,
+                                                     num_stages=2),
             name="jaxinfer_paged_attention",
-        )(meta.seq_rows, meta.positions, meta.page_table, grouped, k_cache, v_cache)
+        )(tiles.start, tiles.length, tiles.row, tiles.first_position, meta.page_table, grouped, k_cache, v_cache)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
+
+    def tile_tokens(self, group: int) -> int:
+        """Tokens per query tile: a power of two (Triton's blocks), with enough rows for the tensor-core dot."""
+        padded_group = pl.next_power_of_2(group)
+        tokens = max(self.query_tile, -(-MIN_DOT_ROWS // padded_group))
+        return pl.next_power_of_2(tokens)
 
     def _block_pages(self, page_size: int, table_width: int) -> int:
         """Pages per loop iteration: a power of two (Triton's loads) that tiles the page table."""

@@ -26,7 +26,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, largest_divisor_at_most, on_each_model_device
+from jaxinfer.layers.attention import (
+    NEG_INF,
+    AttentionMetadata,
+    largest_divisor_at_most,
+    on_each_model_device,
+    real_tokens,
+)
 from jaxinfer.layers.kv_layout import CombinedPages
 
 # (queries, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale, block sizes) -> out
@@ -47,14 +53,11 @@ class RaggedSegments:
 
 def ragged_segments(meta: AttentionMetadata, page_size: int) -> RaggedSegments:
     """Rows of the page table become the kernel's sequences (the step keeps each row's tokens
-    contiguous, rows in order, and gives every row at least one token). The first padding token is
-    the first that repeats the previous token's row without continuing its positions: padding
-    carries the last row and position 0."""
+    contiguous, rows in order, and gives every row at least one token); padding is found by
+    `attention.real_tokens`."""
     rows, positions = meta.seq_rows, meta.positions
     num_rows = meta.page_table.shape[0]
-    breaks = (rows[1:] == rows[:-1]) & (positions[1:] != positions[:-1] + 1)
-    num_real = jnp.argmax(jnp.append(breaks, True)) + 1  # the appended break: no padding, all T are real
-    real = jnp.arange(rows.shape[0]) < num_real
+    real = real_tokens(meta)
     counts = jnp.zeros(num_rows, jnp.int32).at[rows].add(real.astype(jnp.int32))
     kv_lens = jnp.zeros(num_rows, jnp.int32).at[rows].max(jnp.where(real, positions + 1, 0))
     # A draft row past its budget keeps counting positions in later propose calls (its output is
