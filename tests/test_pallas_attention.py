@@ -53,6 +53,20 @@ def test_padding_tokens_get_zeros_and_leave_the_real_ones_alone() -> None:
     assert not np.any(np.asarray(got[q.shape[0] :])), "padding tokens' outputs are zero"
 
 
+def test_a_row_past_its_page_table_reads_only_its_table() -> None:
+    """A draft row past its budget keeps counting positions (its output is dropped); the kernel must
+    stop at the row's table (on a GPU, reading past it leaves the row) and sees just the table's keys."""
+    q, k_cache, v_cache, meta = ragged_batch([(250, 1), (30, 1)], kv_heads=2, group=4, page_size=16, table_width=16)
+    table_keys = 16 * 16
+    past = AttentionMetadata(meta.positions.at[0].set(table_keys + 40), meta.seq_rows, meta.page_table,
+                             meta.write_slots)
+    within = AttentionMetadata(meta.positions.at[0].set(table_keys - 1), meta.seq_rows, meta.page_table,
+                               meta.write_slots)
+    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), within, 0.2)
+    got = PallasGpuAttention(interpret=True).attend(q, KVCache(k_cache, v_cache), past, 0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
+
+
 def test_query_tiles_of_a_small_batch() -> None:
     # row 0: positions 5..9; row 1: position 12; row 2: positions 0..2; then 4 padding tokens
     meta = with_padding(AttentionMetadata(jnp.array([5, 6, 7, 8, 9, 12, 0, 1, 2], jnp.int32),
@@ -103,10 +117,17 @@ def test_a_wrong_causal_mask_is_caught() -> None:
 
 def test_block_pages_tile_the_page_table_in_powers_of_two() -> None:
     kernel = PallasGpuAttention(block_tokens=128)
-    assert kernel._block_pages(16, 16) == 8
-    assert kernel._block_pages(32, 16) == 4
-    assert kernel._block_pages(16, 12) == 4
-    assert kernel._block_pages(16, 6) == 2
+    assert kernel._block_pages(16, 16, rows=16) == 8
+    assert kernel._block_pages(32, 16, rows=16) == 4
+    assert kernel._block_pages(16, 12, rows=16) == 4
+    assert kernel._block_pages(16, 6, rows=16) == 2
+    assert kernel._block_pages(16, 16, rows=64) == 4  # wide tiles take 64-key blocks (registers)
+
+
+def test_tiles_stay_within_the_register_budget() -> None:
+    kernel = PallasGpuAttention(query_tile=16)
+    assert [kernel.tile_tokens(group) for group in (1, 2, 3, 4, 8, 16, 32)] == [16, 16, 16, 16, 16, 8, 4]
+    assert PallasGpuAttention(query_tile=1).tile_tokens(4) == 4  # 16 rows for the tensor-core dot
 
 
 def test_backend_names() -> None:

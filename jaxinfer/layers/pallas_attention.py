@@ -30,6 +30,10 @@ from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, o
 from jaxinfer.layers.kv_layout import KVCache, SplitPages
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
+# Register budget on sm_90 (ptxas -v on the kernel's Triton IR, bf16, head_dim 128): 64 query rows
+# against 128-key blocks spill, as do 256 rows against any block; 128 rows against 64-key blocks fit.
+MAX_TILE_ROWS = 128
+WIDE_TILE_ROWS, WIDE_TILE_KEYS = 64, 64  # from 64 rows on, key blocks of at most 64 tokens
 
 
 @jax.tree_util.register_dataclass
@@ -113,6 +117,11 @@ def _kernel(start_ref, length_ref, row_ref, first_ref, page_table_ref, q_ref, k_
                     mask=in_tile)
 
 
+def warps_for(rows: int) -> int:
+    """Warps of a program with `rows` query rows."""
+    return 4 if rows <= 64 else 8
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasGpuAttention(SplitLayout):
     """The ``AttentionBackend`` of GPUs: ragged paged attention in one Pallas kernel per layer."""
@@ -139,7 +148,7 @@ class PallasGpuAttention(SplitLayout):
         tile_tokens = self.tile_tokens(group)
         grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k_cache.dtype)
         grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
-        block_pages = self._block_pages(page_size, meta.page_table.shape[1])
+        block_pages = self._block_pages(page_size, meta.page_table.shape[1], tile_tokens * padded_group)
         tiles = query_tiles(meta, tile_tokens)
         pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda t, h: (h, 0, 0, 0))
         per_tile = pl.BlockSpec((1,), lambda t, h: (t,))
@@ -152,21 +161,23 @@ class PallasGpuAttention(SplitLayout):
             out_specs=every_token,
             out_shape=jax.ShapeDtypeStruct(grouped.shape, q.dtype),
             interpret=self.interpret,
-            compiler_params=pl_triton.CompilerParams(num_warps=4 if tile_tokens * padded_group <= 64 else 8,
-                                                     num_stages=2),
+            compiler_params=pl_triton.CompilerParams(num_warps=warps_for(tile_tokens * padded_group), num_stages=2),
             name="jaxinfer_paged_attention",
         )(tiles.start, tiles.length, tiles.row, tiles.first_position, meta.page_table, grouped, k_cache, v_cache)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
 
     def tile_tokens(self, group: int) -> int:
-        """Tokens per query tile: a power of two (Triton's blocks), with enough rows for the tensor-core dot."""
+        """Tokens per query tile: a power of two (Triton's blocks), with enough rows for the tensor-core dot
+        and no more than fit in registers (`MAX_TILE_ROWS`)."""
         padded_group = pl.next_power_of_2(group)
-        tokens = max(self.query_tile, -(-MIN_DOT_ROWS // padded_group))
-        return pl.next_power_of_2(tokens)
+        tokens = pl.next_power_of_2(max(self.query_tile, -(-MIN_DOT_ROWS // padded_group)))
+        return max(1, min(tokens, MAX_TILE_ROWS // padded_group))
 
-    def _block_pages(self, page_size: int, table_width: int) -> int:
-        """Pages per loop iteration: a power of two (Triton's loads) that tiles the page table."""
-        pages = max(1, self.block_tokens // page_size)
+    def _block_pages(self, page_size: int, table_width: int, rows: int) -> int:
+        """Pages per loop iteration for a tile of `rows` query rows: a power of two (Triton's loads) that
+        tiles the page table, of at most 64 keys for wide tiles."""
+        block_tokens = self.block_tokens if rows < WIDE_TILE_ROWS else min(self.block_tokens, WIDE_TILE_KEYS)
+        pages = max(1, block_tokens // page_size)
         while pages > 1 and (table_width % pages or pages & (pages - 1)):
             pages //= 2
         return pages
