@@ -17,7 +17,8 @@ Printed, one JSON line each:
   the decode tokens and the run with one token, divided by their number, so prefill cancels out.
   Next to it, the floor: weight bytes (all but the embedding table, whose B rows are read) plus the
   KV bytes of the mean context, over the copy bandwidth; and the step's FLOPs over the matmul rate.
-  ``fraction_of_roofline`` is the floor over the measured time.
+  ``fraction_of_roofline`` is the floor over the measured time; ``host_ms_per_step`` is the host's
+  share of each step (scheduling, building and dispatching the batch, applying the results).
 * ``jaxinfer_offline`` per ``--offline N:IN:OUT``: N requests submitted at once, exactly OUT new
   tokens each; output tokens/s and the compiles after warm-up (which must be 0).
 """
@@ -126,8 +127,7 @@ def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict, weigh
     emit(dict(what="jaxinfer_decode_step", shape=args.shape, batch=batch, in_len=args.in_len,
               decode_tokens=args.decode_tokens, ms_per_step=round(step_ms, 3),
               tok_per_s=round(batch / step_ms * 1e3, 1),
-              **floor, fraction_of_roofline=round(floor["floor_ms"] / step_ms, 3),
-              compiles_after_warmup=engine.runner.compiles_after_warmup))
+              **floor, fraction_of_roofline=round(floor["floor_ms"] / step_ms, 3), **host_share(engine)))
 
 
 def bench_offline(llm, requests: int, in_len: int, out_len: int, args: argparse.Namespace) -> None:
@@ -139,8 +139,16 @@ def bench_offline(llm, requests: int, in_len: int, out_len: int, args: argparse.
     seconds, outputs = timed_generate(engine, [llm.request(p, exact(out_len)) for p in prompts])
     new = sum(len(o.token_ids) for o in outputs)
     emit(dict(what="jaxinfer_offline", shape=args.shape, requests=requests, in_len=in_len, out_len=out_len,
-              new_tokens=new, s=round(seconds, 2), output_tok_per_s=round(new / seconds, 1),
-              compiles_after_warmup=engine.runner.compiles_after_warmup))
+              new_tokens=new, s=round(seconds, 2), output_tok_per_s=round(new / seconds, 1), **host_share(engine)))
+
+
+def host_share(engine) -> dict:
+    """The run's steps, host milliseconds per step (scheduling, building and dispatching, reading back)
+    and compiles after warm-up."""
+    from bench import step_summary
+
+    summary = step_summary(engine)
+    return {key: summary[key] for key in ("steps", "host_ms_per_step", "host_fraction", "compiles_after_warmup")}
 
 
 def offline_spec(text: str) -> tuple[int, int, int]:

@@ -18,6 +18,7 @@ overlap, batching nor preemption changes a request's output; in bfloat16 a recom
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -510,43 +511,78 @@ class Engine:
         return _InflightStep(chunks, result, self.stats.steps)
 
     def _build_batch(self, chunks: list[ScheduledChunk], drafts: list[list[int]] | None = None) -> HostBatch:
-        """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk."""
+        """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk.
+
+        Per row only lists are gathered; the arrays are then filled whole (a batch of 256 decode rows
+        cost 2.2 ms of host time per step filled row by row)."""
         drafts = drafts or [[] for _ in chunks]
-        extra = [len(d) for d in drafts]
-        total = sum(c.count for c in chunks) + sum(extra)
+        rows = len(chunks)
+        counts = np.array([c.count + len(d) for c, d in zip(chunks, drafts, strict=True)], np.int32)
+        ends = np.cumsum(counts, dtype=np.int32)
+        total = int(ends[-1]) if rows else 0
         batch = self.runner.empty_batch(self.runner.bucket_for(total))
-        page_size, cursor = self.cfg.page_size, 0
-        for row, chunk in enumerate(chunks):
-            seq, end = chunk.seq, cursor + chunk.count + extra[row]
-            positions = np.arange(chunk.start, chunk.start + chunk.count + extra[row], dtype=np.int32)
-            pages = np.asarray(seq.pages, np.int32)
-            known = seq.tokens(chunk.start, chunk.count) + drafts[row]
-            batch.tokens[cursor : cursor + len(known)] = known
-            if len(known) < chunk.count + extra[row]:  # the newest id is still on the device: read it there
-                assert len(known) == chunk.count - 1 and seq.inflight == 1, "only the newest id can be unknown"
-                batch.from_prev[end - 1] = seq.last_row
-            batch.positions[cursor:end] = positions
-            batch.seq_rows[cursor:end] = row
-            batch.write_slots[cursor:end] = pages[positions // page_size] * page_size + positions % page_size
-            batch.page_table[row, : len(pages)] = pages
-            batch.logits_rows[row] = end - 1
-            batch.adapters[cursor:end] = seq.adapter_slot
-            self._fill_sampling(batch, row, seq, seq.num_generated)
-            cursor = end
+        row_of_token = np.repeat(np.arange(rows, dtype=np.int32), counts)
+        firsts = ends - counts
+        positions = np.arange(total, dtype=np.int32) + np.repeat(np.array([c.start for c in chunks], np.int32) - firsts,
+                                                                 counts)
+        batch.tokens[:total] = self._known_tokens(chunks, drafts, ends, batch.from_prev)
+        batch.positions[:total] = positions
+        batch.seq_rows[:total] = row_of_token
+        pages = [c.seq.pages for c in chunks]
+        pages_per_row = np.array([len(p) for p in pages], np.int32)
+        page_rows = np.repeat(np.arange(rows, dtype=np.int32), pages_per_row)
+        page_columns = np.arange(page_rows.size, dtype=np.int32) - np.repeat(np.cumsum(pages_per_row) - pages_per_row,
+                                                                              pages_per_row)
+        batch.page_table[page_rows, page_columns] = np.fromiter(itertools.chain.from_iterable(pages), np.int32,
+                                                                page_rows.size)
+        page_size = self.cfg.page_size
+        batch.write_slots[:total] = (batch.page_table[row_of_token, positions // page_size] * page_size
+                                     + positions % page_size)
+        batch.logits_rows[:rows] = ends - 1
+        batch.adapters[:total] = np.repeat(np.array([c.seq.adapter_slot for c in chunks], np.int32), counts)
+        seqs = [c.seq for c in chunks]
+        self._fill_sampling_rows(batch, 0, seqs, [seq.num_generated for seq in seqs])
         # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
-        batch.seq_rows[cursor:] = len(chunks) - 1
-        batch.positions[cursor:] = 0
+        batch.seq_rows[total:] = rows - 1
+        batch.positions[total:] = 0
         return batch
+
+    @staticmethod
+    def _known_tokens(chunks: list[ScheduledChunk], drafts: list[list[int]], ends: np.ndarray,
+                      from_prev: np.ndarray) -> list[int]:
+        """The chunks' ids then their drafts, row after row; an id still on the device (the newest, sampled
+        by the step in flight) is a 0 here and `from_prev` points at that step's row instead."""
+        known: list[int] = []
+        for chunk, draft, end in zip(chunks, drafts, ends, strict=True):
+            seq = chunk.seq
+            known += seq.tokens(chunk.start, chunk.count)
+            if len(known) < end - len(draft):
+                assert len(known) == end - len(draft) - 1 and seq.inflight == 1, "only the newest id can be unknown"
+                known.append(0)
+                from_prev[end - len(draft) - 1] = seq.last_row
+            known += draft
+        return known
 
     def _fill_sampling(self, batch: HostBatch, row: int, seq: Sequence, step: int) -> None:
         """A row's sampling settings, for the sample drawn after `step` generated ids."""
-        p = seq.params
-        batch.temperature[row], batch.top_p[row], batch.min_p[row] = p.temperature, p.top_p, p.min_p
-        batch.top_k[row] = min(p.top_k, self.runner.model_cfg.vocab_size)
-        batch.seed[row], batch.step[row] = seq.seed, step
-        banned = self._stop_ids(p) if seq.num_generated < p.min_tokens else []  # EOS and stop ids not yet
-        banned += self._exec_banned(p)
-        batch.banned[row, : len(banned)] = banned
+        self._fill_sampling_rows(batch, row, [seq], [step])
+
+    def _fill_sampling_rows(self, batch: HostBatch, first_row: int, seqs: list[Sequence], steps: list[int]) -> None:
+        """Sampling settings of rows `first_row`, ... for `seqs`, each for the sample drawn after its `steps` ids."""
+        params = [seq.params for seq in seqs]
+        rows = slice(first_row, first_row + len(seqs))
+        batch.temperature[rows] = [p.temperature for p in params]
+        batch.top_p[rows] = [p.top_p for p in params]
+        batch.min_p[rows] = [p.min_p for p in params]
+        batch.top_k[rows] = np.minimum([p.top_k for p in params], self.runner.model_cfg.vocab_size)
+        batch.seed[rows] = [seq.seed for seq in seqs]
+        batch.step[rows] = steps
+        for row, seq in enumerate(seqs, first_row):
+            p = seq.params
+            banned = self._stop_ids(p) if seq.num_generated < p.min_tokens else []  # EOS and stop ids not yet
+            banned += self._exec_banned(p)
+            if banned:
+                batch.banned[row, : len(banned)] = banned
 
     def _exec_banned(self, params: SamplingParams) -> list[int]:
         """Exec control ids a request may not sample: result and trap markers always, exec markers with exec off."""

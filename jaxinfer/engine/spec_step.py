@@ -25,7 +25,7 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.spec import propose, verify
-from jaxinfer.engine.step import HostBatch, ModelRunner, StepInputs, keep_shardings
+from jaxinfer.engine.step import HostBatch, ModelRunner, PackedInputs, keep_shardings
 from jaxinfer.errors import ConfigError
 from jaxinfer.models import LlamaForCausalLM
 
@@ -61,7 +61,8 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
-def _propose_step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs):
+def _propose_step(graphdef, state, caches, prev_tokens: jax.Array, packed: PackedInputs):
+    inputs = packed.unpack()
     draft = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = draft(ids, caches, inputs.meta)
@@ -83,7 +84,8 @@ def _scored_logits(model, hidden: jax.Array, logits_rows: jax.Array) -> jax.Arra
 
 
 def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_caches, draft_probs,
-                 inputs: StepInputs, spec: SpecInputs, *, cache_shardings, draft_cache_shardings):
+                 packed: PackedInputs, spec: SpecInputs, *, cache_shardings, draft_cache_shardings):
+    inputs = packed.unpack()
     model, draft = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
     hidden, caches = model(inputs.tokens, caches, inputs.meta)
     _, draft_caches = draft(inputs.tokens, draft_caches, inputs.meta)  # the draft's KV keeps pace
@@ -164,7 +166,7 @@ class SpecRunner:
     # -- run ---------------------------------------------------------------------------------------
     def propose(self, batch: HostBatch, previous: ProposeResult | None) -> ProposeResult:
         exe = self.target.executable_from(self._propose_exes, batch.num_tokens, self._compile_propose, "propose")
-        inputs = jax.device_put(batch.to_inputs(), self.target.replicated)
+        inputs = jax.device_put(batch.packed(), self.target.replicated)
         prev = previous.tokens if previous is not None else self.target.no_tokens
         self.caches, tokens, probs, confidence = exe(self.state, self.caches, prev, inputs)
         return ProposeResult(tokens, probs, confidence)
@@ -174,7 +176,7 @@ class SpecRunner:
         t = self.target
         exe = t.executable_from(self._verify_exes, batch.num_tokens, self._compile_verify, "verify")
         t.copy_evicted_pages()
-        inputs = jax.device_put(batch.to_inputs(), t.replicated)
+        inputs = jax.device_put(batch.packed(), t.replicated)
         spec_inputs = jax.device_put(SpecInputs(*spec), t.replicated)
         probs = tuple(p.probs for p in proposals) + (self._no_probs,) * (self.k - len(proposals))
         t.caches, self.caches, tokens, counts, logprobs = exe(t.state, self.state, t.caches, self.caches, probs,

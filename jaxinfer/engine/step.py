@@ -90,6 +90,35 @@ class HostBatch:
         )
         return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, self.adapters)
 
+    def packed(self) -> PackedInputs:
+        """The arrays as one int32 buffer: one host-to-device copy per step instead of one per array."""
+        arrays = self.arrays()
+        layout = tuple((name, a.shape, a.dtype.str) for name, a in arrays.items())
+        return PackedInputs(np.concatenate([a.reshape(-1).view(np.int32) for a in arrays.values()]), layout)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["words"], meta_fields=["layout"])
+@dataclasses.dataclass(frozen=True)
+class PackedInputs:
+    """A `HostBatch` in one int32 buffer (every field is 4 bytes wide), unpacked inside the step.
+
+    The layout (each field's name, shape and dtype, in order) is static, so each bucket's layout is
+    part of its compiled executable."""
+
+    words: jax.Array | np.ndarray
+    layout: tuple[tuple[str, tuple[int, ...], str], ...]
+
+    def unpack(self) -> StepInputs:
+        arrays, offset = {}, 0
+        for name, shape, dtype in self.layout:
+            size = int(np.prod(shape))
+            part = self.words[offset : offset + size]
+            if np.dtype(dtype) != np.int32:
+                part = jax.lax.bitcast_convert_type(part, np.dtype(dtype))
+            arrays[name] = part.reshape(shape)
+            offset += size
+        return HostBatch(**arrays).to_inputs()
+
 
 @dataclasses.dataclass
 class StepResult:
@@ -109,8 +138,9 @@ class StepResult:
         return np.asarray(self.tokens)[: self.rows], np.asarray(self.logprobs)[: self.rows]
 
 
-def _step(graphdef, state, caches, prev_tokens: jax.Array, inputs: StepInputs, machine=None, code=None, *,
+def _step(graphdef, state, caches, prev_tokens: jax.Array, packed: PackedInputs, machine=None, code=None, *,
           cache_shardings, exec_fn=None):
+    inputs = packed.unpack()
     model = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = model(ids, caches, inputs.meta, inputs.adapters)
@@ -294,11 +324,11 @@ class ModelRunner:
         )
 
     # -- compile ---------------------------------------------------------------------------
-    def abstract_inputs(self, bucket: int) -> StepInputs:
-        def spec(x: np.ndarray) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated)
-
-        return jax.tree.map(spec, self.empty_batch(bucket).to_inputs())
+    def abstract_inputs(self, bucket: int) -> PackedInputs:
+        """The step's input for a bucket, as the compiler sees it (`HostBatch.packed`)."""
+        packed = self.empty_batch(bucket).packed()
+        return PackedInputs(jax.ShapeDtypeStruct(packed.words.shape, np.int32, sharding=self.replicated),
+                            packed.layout)
 
     def _compile(self, bucket: int) -> jax.stages.Compiled:
         start = time.perf_counter()
@@ -359,7 +389,7 @@ class ModelRunner:
 
     def _launch(self, batch: HostBatch, previous: StepResult | None, executable: jax.stages.Compiled,
                 number: int) -> StepResult:
-        inputs = jax.device_put(batch.to_inputs(), self.replicated)
+        inputs = jax.device_put(batch.packed(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
         outputs = executable(self.state, self.caches, prev_tokens, inputs, *self._exec_args())
         self.caches, tokens, logprobs = outputs[:3]
