@@ -94,3 +94,21 @@ def test_top_p_applies_to_what_top_k_kept_renormalized():
 def test_banned_ids_are_never_drawn_greedy_or_sampled():
     assert set(draw(2000, banned=(0, 2)).tolist()) <= {1, 3, 4, 5}
     assert set(draw(50, temperature=0.0, banned=(0,)).tolist()) == {1}
+
+
+def test_a_row_without_filters_draws_the_same_whether_or_not_its_batch_sorts():
+    """Unfiltered rows skip the vocabulary sort unless another sampled row filters; either way a row's
+    token depends only on its logits, settings, seed and step."""
+    rows, vocab = 64, 1000
+    logits = jax.random.normal(jax.random.key(3), (rows, vocab)) * 3
+
+    def params(top_p_of_row_0: float) -> SamplingInputs:
+        return SamplingInputs(temperature=jnp.full(rows, 0.8), top_k=jnp.zeros(rows, jnp.int32),
+                              top_p=jnp.ones(rows).at[0].set(top_p_of_row_0), min_p=jnp.zeros(rows),
+                              seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.full(rows, 5, jnp.int32),
+                              banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
+
+    alone, _ = jax.jit(sample)(logits, params(1.0))
+    beside_a_filter, _ = jax.jit(sample)(logits, params(0.5))
+    np.testing.assert_array_equal(np.asarray(alone)[1:], np.asarray(beside_a_filter)[1:])
+    assert len(set(np.asarray(alone).tolist())) > rows // 2, "rows drew different tokens"

@@ -48,10 +48,21 @@ def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
 
 
 def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -> jax.Array:
-    sampled = jax.vmap(_sample_one)(
-        logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step
-    )
-    return jnp.where(params.temperature <= 0.0, greedy, sampled)
+    """Sampled rows draw Gumbel noise per vocabulary id, so a row without top-k, top-p or min-p gets the
+    same token whether or not the batch sorts: only a batch where some sampled row filters pays for
+    sorting the vocabulary (per row, [S, V]: the costliest part of sampling at a large vocabulary)."""
+    vocab = logits.shape[-1]
+    sampled_rows = params.temperature > 0.0
+    filters = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0) | (params.min_p > 0.0)
+    args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step)
+    sampled = lax.cond(jnp.any(sampled_rows & filters), lambda: jax.vmap(_sample_one)(*args),
+                       lambda: jax.vmap(_sample_unfiltered)(*args))
+    return jnp.where(sampled_rows, sampled, greedy)
+
+
+def _gumbel(logits: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
+    """The row's noise, one value per vocabulary id, from its seed and step alone."""
+    return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), logits.shape, jnp.float32)
 
 
 def _filter(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -68,17 +79,22 @@ def _filter(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Ar
     # mass reaches top_p; the most likely token always stays.
     kept = jnp.where(keep, probs, 0.0)
     kept = kept / jnp.sum(kept)
-    keep &= jnp.cumsum(kept) - kept < top_p
+    keep &= (jnp.cumsum(kept) - kept < top_p) | (top_p >= 1.0)  # 1: off, even where the sum rounds to 1
     keep = keep.at[0].set(True)
     return order, sorted_logits, keep
 
 
 def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
     order, sorted_logits, keep = _filter(logits, temperature, top_k, top_p, min_p)
-    key = jax.random.fold_in(jax.random.key(seed), step)
-    gumbel = jax.random.gumbel(key, sorted_logits.shape, jnp.float32)
+    gumbel = _gumbel(logits, seed, step)[order]
     choice = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf))
     return order[choice].astype(jnp.int32)
+
+
+def _sample_unfiltered(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
+    """`_sample_one` for a row that keeps the whole vocabulary: the same token, without the sort."""
+    scaled = logits / jnp.maximum(temperature, 1e-6)
+    return jnp.argmax(scaled + _gumbel(logits, seed, step)).astype(jnp.int32)
 
 
 def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
