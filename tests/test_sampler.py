@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
+from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, distribution, sample
 
 LOGITS = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32))
 
@@ -108,6 +108,9 @@ def test_a_row_without_filters_draws_the_same_whether_or_not_its_batch_sorts():
                               seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.full(rows, 5, jnp.int32),
                               banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
 
+    # the distributions speculative decoding verifies against agree the same way
+    np.testing.assert_allclose(np.asarray(distribution(logits, params(1.0)))[1:],
+                               np.asarray(distribution(logits, params(0.5)))[1:], rtol=1e-5, atol=1e-9)
     alone, _ = jax.jit(sample)(logits, params(1.0))
     beside_a_filter, _ = jax.jit(sample)(logits, params(0.5))
     np.testing.assert_array_equal(np.asarray(alone)[1:], np.asarray(beside_a_filter)[1:])

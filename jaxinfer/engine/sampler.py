@@ -51,13 +51,16 @@ def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -
     """Sampled rows draw Gumbel noise per vocabulary id, so a row without top-k, top-p or min-p gets the
     same token whether or not the batch sorts: only a batch where some sampled row filters pays for
     sorting the vocabulary (per row, [S, V]: the costliest part of sampling at a large vocabulary)."""
-    vocab = logits.shape[-1]
-    sampled_rows = params.temperature > 0.0
-    filters = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0) | (params.min_p > 0.0)
     args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step)
-    sampled = lax.cond(jnp.any(sampled_rows & filters), lambda: jax.vmap(_sample_one)(*args),
+    sampled = lax.cond(_some_sampled_row_filters(params, logits.shape[-1]), lambda: jax.vmap(_sample_one)(*args),
                        lambda: jax.vmap(_sample_unfiltered)(*args))
-    return jnp.where(sampled_rows, sampled, greedy)
+    return jnp.where(params.temperature > 0.0, sampled, greedy)
+
+
+def _some_sampled_row_filters(params: SamplingInputs, vocab: int) -> jax.Array:
+    """Whether any sampled row uses top-k, top-p or min-p (then the batch sorts its vocabularies)."""
+    filters = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0) | (params.min_p > 0.0)
+    return jnp.any((params.temperature > 0.0) & filters)
 
 
 def _gumbel(logits: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -108,9 +111,15 @@ def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
         probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
         return jnp.zeros_like(probs).at[order].set(probs)
 
+    def filtered() -> jax.Array:
+        return jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+
+    def unfiltered() -> jax.Array:
+        return jax.nn.softmax(logits / jnp.maximum(params.temperature, 1e-6)[:, None], axis=-1)
+
     def mixed() -> jax.Array:
-        sampled = jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+        sampled = lax.cond(_some_sampled_row_filters(params, logits.shape[-1]), filtered, unfiltered)
         return jnp.where((params.temperature <= 0.0)[:, None], greedy, sampled)
 
-    # An all-greedy batch skips the per-row sort of the whole vocabulary.
+    # An all-greedy batch, or one where no sampled row filters, skips the per-row sort of the vocabulary.
     return lax.cond(jnp.all(params.temperature <= 0.0), lambda: greedy, mixed)
