@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shape_benchmark_runs_a_random_weight_shape_and_reports_the_roofline() -> None:
     command = [sys.executable, str(REPO / "tools" / "bench.py"), "--no-peer", "shape", "--shape", "tiny-llama3",
-               "--batch", "1", "3", "--in-len", "24", "--decode-tokens", "4", "--offline", "5:8:6"]
+               "--batch", "1", "3", "--in-len", "24", "--decode-tokens", "4", "--offline", "5:8:6",
+               "--profile-steps", "2"]
     proc = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -31,5 +34,12 @@ def test_shape_benchmark_runs_a_random_weight_shape_and_reports_the_roofline() -
         assert step["ms_per_step"] > 0 and step["fraction_of_roofline"] > 0
         assert step["floor_ms"] == max(step["memory_floor_ms"], step["compute_floor_ms"])
         assert step["compiles_after_warmup"] == 0
+    profiles = by_kind["step_profile"]
+    assert [p["batch"] for p in profiles] == [1, 3]
+    for profile in profiles:  # the trace of 2 decode steps, read back per kernel
+        assert profile["wall_ms_per_step"] > 0 and profile["device_busy_ms_per_step"] > 0
+        assert profile["kernels"] and sum(k["share"] for k in profile["kernels"]) <= 1.001
+        assert sum(c["ms_per_step"] for c in profile["categories"].values()) == pytest.approx(
+            profile["device_busy_ms_per_step"], abs=0.01)
     offline = by_kind["jaxinfer_offline"][0]
     assert offline["new_tokens"] == 5 * 6 and offline["compiles_after_warmup"] == 0

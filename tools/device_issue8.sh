@@ -16,7 +16,7 @@ fi
 OUT=${OUT:-/tmp/issue8}
 mkdir -p "$OUT"
 # step SECONDS LOG command...: one measurement, cut off at SECONDS so that a hang or a slow compile
-# cannot spend the rest of the session's device time (the steps' limits sum to 495 s of the 540)
+# cannot spend the rest of the session's device time (the steps' limits sum to 515 s of the 540)
 step() {
   local seconds=$1 log=$2
   shift 2
@@ -28,7 +28,7 @@ step() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 # the bar to beat, then jaxinfer on the same shape (Pallas attention), the reference backend, transformers
 step 75 plain_jax.jsonl python3 .device_carry/plain_jax_decode.py 1 64 256
-step 180 jaxinfer_shape.jsonl python3 tools/bench.py --no-peer shape --shape llama3-8b --batch 1 64 256 \
+step 200 jaxinfer_shape.jsonl python3 tools/bench.py --no-peer shape --shape llama3-8b --batch 1 64 256 --profile-steps 8 \
     --offline 1024:128:128
 step 75 jaxinfer_shape_reference.jsonl python3 tools/bench.py --no-peer shape --shape llama3-8b \
     --attention reference --batch 1 64 256 --offline

@@ -19,6 +19,8 @@ Printed, one JSON line each:
   KV bytes of the mean context, over the copy bandwidth; and the step's FLOPs over the matmul rate.
   ``fraction_of_roofline`` is the floor over the measured time; ``host_ms_per_step`` is the host's
   share of each step (scheduling, building and dispatching the batch, applying the results).
+* ``step_profile`` per batch with ``--profile-steps N``: where N decode steps' time goes, per kernel
+  and per category, and the share of the step the device is busy (``tools/step_profile.py``).
 * ``jaxinfer_offline`` per ``--offline N:IN:OUT``: N requests submitted at once, exactly OUT new
   tokens each; output tokens/s and the compiles after warm-up (which must be 0).
 """
@@ -169,12 +171,15 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--offline", type=offline_spec, nargs="*", default=[(1024, 128, 128), (256, 1024, 1024)],
                    metavar="N:IN:OUT", help="offline runs: N requests of IN prompt and OUT new tokens")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="after each batch's decode timing, trace this many decode steps (tools/step_profile.py)")
     return p
 
 
 def bench(args: argparse.Namespace) -> None:
     import jax
     from bench import emit
+    from step_profile import profile_decode
 
     from jaxinfer import LLM
     from jaxinfer.layers.attention import backend_name
@@ -199,5 +204,8 @@ def bench(args: argparse.Namespace) -> None:
         weights = model_bytes_and_flops(llm)
         for batch in args.batch:
             bench_decode(llm, batch, args, ceiling, weights)
+            if args.profile_steps:
+                emit(dict(what="step_profile", shape=args.shape, batch=batch, in_len=args.in_len,
+                          steps=args.profile_steps, **profile_decode(llm, batch, args.in_len, args.profile_steps)))
         for requests, in_len, out_len in args.offline:
             bench_offline(llm, requests, in_len, out_len, args)
