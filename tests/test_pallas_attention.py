@@ -128,6 +128,8 @@ def test_tiles_stay_within_the_register_budget() -> None:
     kernel = PallasGpuAttention(query_tile=16)
     assert [kernel.tile_tokens(group) for group in (1, 2, 3, 4, 8, 16, 32)] == [16, 16, 16, 16, 16, 8, 4]
     assert PallasGpuAttention(query_tile=1).tile_tokens(4) == 4  # 16 rows for the tensor-core dot
+    # steps with no more tokens than rows (decode batches) take the fewest tokens that fill 16 rows
+    assert [kernel.tile_tokens(group, wide=False) for group in (1, 3, 4, 8, 16, 32)] == [16, 4, 4, 2, 1, 1]
 
 
 def test_backend_names() -> None:

@@ -6,9 +6,11 @@ sequence (`query_tiles`, computed on the device from the step's metadata). One p
 for the tensor-core dot), walks the sequence through the page table in blocks of ``block_pages``
 pages, loads each block's pages straight from the page pools (``k_ref[page_ids]``, no gather copy in
 HBM) and keeps an online softmax in float32. A prefill chunk thus reads its keys once per tile, not
-once per token; a decode token is a tile of its own. Causality comes from positions: a token sees
-the keys at positions up to its own, so prefill chunks, decode tokens and speculative verification
-tokens all take the same path. The step's padding tokens form tiles of their own that write zeros.
+once per token; a decode token is a tile of its own. A step with no more tokens than page-table rows
+(a decode batch fits that) takes narrow tiles, of just enough tokens for the dot's 16 rows.
+Causality comes from positions: a token sees the keys at positions up to its own, so prefill
+chunks, decode tokens and speculative verification tokens all take the same path. The step's
+padding tokens form tiles of their own that write zeros.
 
 The cache layout is the reference backend's, ``[kv_heads, num_pages, page_size, head_dim]`` per
 layer (``kv_layout.SplitPages``), so the two backends are interchangeable. With
@@ -145,7 +147,8 @@ class PallasGpuAttention(SplitLayout):
         kv_heads, num_pages, page_size, _ = k_cache.shape
         group = num_heads // kv_heads
         padded_group = pl.next_power_of_2(group)
-        tile_tokens = self.tile_tokens(group)
+        # A bucket with no more tokens than rows may be all decode tokens (one per row): narrow tiles.
+        tile_tokens = self.tile_tokens(group, wide=num_tokens > meta.page_table.shape[0])
         grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k_cache.dtype)
         grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
         block_pages = self._block_pages(page_size, meta.page_table.shape[1], tile_tokens * padded_group)
@@ -166,11 +169,13 @@ class PallasGpuAttention(SplitLayout):
         )(tiles.start, tiles.length, tiles.row, tiles.first_position, meta.page_table, grouped, k_cache, v_cache)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
 
-    def tile_tokens(self, group: int) -> int:
+    def tile_tokens(self, group: int, wide: bool = True) -> int:
         """Tokens per query tile: a power of two (Triton's blocks), with enough rows for the tensor-core dot
-        and no more than fit in registers (`MAX_TILE_ROWS`)."""
+        and no more than fit in registers (`MAX_TILE_ROWS`). Narrow tiles (`wide=False`) hold just enough
+        tokens for the dot's 16 rows, so a decode token, alone in its tile, does not carry 16 tokens' rows."""
         padded_group = pl.next_power_of_2(group)
-        tokens = pl.next_power_of_2(max(self.query_tile, -(-MIN_DOT_ROWS // padded_group)))
+        narrow = pl.next_power_of_2(-(-MIN_DOT_ROWS // padded_group))
+        tokens = pl.next_power_of_2(max(self.query_tile, narrow)) if wide else narrow
         return max(1, min(tokens, MAX_TILE_ROWS // padded_group))
 
     def _block_pages(self, page_size: int, table_width: int, rows: int) -> int:
