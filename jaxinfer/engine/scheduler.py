@@ -90,17 +90,19 @@ class Scheduler:
         (speculative proposals, which `reserve` gives pages to)."""
         budget, reserved = self.cfg.max_tokens_per_step, 0
         chunks: list[ScheduledChunk] = []
+        preempted: set[Sequence] = set()  # a set: `in running` would walk the list for every sequence
         for seq in sorted(self.running, key=lambda s: s.arrival):
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if seq not in self.running or count == 0 or seq.paused or not seq.wants_token(self.max_model_len):
+            if seq in preempted or count == 0 or seq.paused or not seq.wants_token(self.max_model_len):
                 continue
             while not self._pages_for(seq, seq.num_computed + count):
                 victim = max(self.running, key=lambda s: s.arrival)
                 # The newest is never scheduled yet in this step (running is walked oldest first).
                 self._preempt(victim)
+                preempted.add(victim)
                 if victim is seq:
                     break
-            if seq in self.running:
+            if seq not in preempted:
                 chunks.append(ScheduledChunk(seq, seq.num_computed, count))
                 budget -= count
                 reserved += draft_room if count == 1 and seq.params.num_draft_tokens != 0 else 0
