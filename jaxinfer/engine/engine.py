@@ -536,6 +536,7 @@ class Engine:
         batch.page_table[page_rows, page_columns] = np.fromiter(itertools.chain.from_iterable(pages), np.int32,
                                                                 page_rows.size)
         page_size = self.cfg.page_size
+        assert (positions // page_size < pages_per_row[row_of_token]).all(), "a scheduled position has no page"
         batch.write_slots[:total] = (batch.page_table[row_of_token, positions // page_size] * page_size
                                      + positions % page_size)
         batch.logits_rows[:rows] = ends - 1

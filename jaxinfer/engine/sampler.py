@@ -52,15 +52,19 @@ def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -
     same token whether or not the batch sorts: only a batch where some sampled row filters pays for
     sorting the vocabulary (per row, [S, V]: the costliest part of sampling at a large vocabulary)."""
     args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step)
-    sampled = lax.cond(_some_sampled_row_filters(params, logits.shape[-1]), lambda: jax.vmap(_sample_one)(*args),
-                       lambda: jax.vmap(_sample_unfiltered)(*args))
+    filtering = _filtering_rows(params, logits.shape[-1])
+    unfiltered = jax.vmap(_sample_unfiltered)(*args)
+    # Rows that do not filter keep the unsorted draw even when the batch sorts (bit for bit the same
+    # computation either way, so a row never depends on its neighbours).
+    sampled = lax.cond(jnp.any(filtering), lambda: jnp.where(filtering, jax.vmap(_sample_one)(*args), unfiltered),
+                       lambda: unfiltered)
     return jnp.where(params.temperature > 0.0, sampled, greedy)
 
 
-def _some_sampled_row_filters(params: SamplingInputs, vocab: int) -> jax.Array:
-    """Whether any sampled row uses top-k, top-p or min-p (then the batch sorts its vocabularies)."""
+def _filtering_rows(params: SamplingInputs, vocab: int) -> jax.Array:
+    """[S] bool: sampled rows that use top-k, top-p or min-p (only they need their vocabulary sorted)."""
     filters = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0) | (params.min_p > 0.0)
-    return jnp.any((params.temperature > 0.0) & filters)
+    return (params.temperature > 0.0) & filters
 
 
 def _gumbel(logits: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
@@ -111,14 +115,15 @@ def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
         probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
         return jnp.zeros_like(probs).at[order].set(probs)
 
-    def filtered() -> jax.Array:
-        return jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
-
-    def unfiltered() -> jax.Array:
-        return jax.nn.softmax(logits / jnp.maximum(params.temperature, 1e-6)[:, None], axis=-1)
-
     def mixed() -> jax.Array:
-        sampled = lax.cond(_some_sampled_row_filters(params, logits.shape[-1]), filtered, unfiltered)
+        filtering = _filtering_rows(params, logits.shape[-1])
+        unfiltered = jax.nn.softmax(logits / jnp.maximum(params.temperature, 1e-6)[:, None], axis=-1)
+
+        def with_sort() -> jax.Array:
+            sorted_rows = jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+            return jnp.where(filtering[:, None], sorted_rows, unfiltered)
+
+        sampled = lax.cond(jnp.any(filtering), with_sort, lambda: unfiltered)
         return jnp.where((params.temperature <= 0.0)[:, None], greedy, sampled)
 
     # An all-greedy batch, or one where no sampled row filters, skips the per-row sort of the vocabulary.
