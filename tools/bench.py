@@ -233,6 +233,29 @@ def bench_gemm(args: argparse.Namespace) -> None:
                   gflop_per_s=round(flops / seconds / 1e9, 1)))
 
 
+# -- sampler: the on-device sampler alone, with and without a filter that makes the batch sort -----
+def bench_sampler(args: argparse.Namespace) -> None:
+    """ms per jitted `sample()` call on random logits at temperature 0.8, top_p 1 (no sort) and 0.9."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
+
+    fn = jax.jit(sample)
+    for rows in args.rows:
+        logits = jax.random.normal(jax.random.key(0), (rows, args.vocab)) * 3
+        for top_p in (1.0, 0.9):
+            params = SamplingInputs(jnp.full(rows, 0.8), jnp.zeros(rows, jnp.int32), jnp.full(rows, top_p),
+                                    jnp.zeros(rows), jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),
+                                    jnp.full((rows, MAX_BANNED), -1, jnp.int32))
+            fn(logits, params)[0].block_until_ready()
+            start = time.perf_counter()
+            for _ in range(args.repeats):
+                fn(logits, params)[0].block_until_ready()
+            emit(dict(what="sampler", backend=jax.default_backend(), rows=rows, vocab=args.vocab, top_p=top_p,
+                      ms=round((time.perf_counter() - start) / args.repeats * 1e3, 2)))
+
+
 # -- tiers: a long shared prefix recomputed vs restored from each KV tier ---------------------------
 def bench_tiers(args: argparse.Namespace, llm=None) -> None:
     from jaxinfer.kv.store import ModelIdentity, PageStore
@@ -518,6 +541,10 @@ def main() -> None:
     lora.add_argument("--rank", type=int, default=16)
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
+    sampler = sub.add_parser("sampler", description=bench_sampler.__doc__.splitlines()[0])
+    sampler.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256])
+    sampler.add_argument("--vocab", type=int, default=128256)
+    sampler.add_argument("--repeats", type=int, default=5)
     shape_bench.add_arguments(sub.add_parser("shape", description=shape_bench.__doc__.splitlines()[0]))
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
                                                  epilog=processor_bench.ISSUE_SCALE))
@@ -540,6 +567,8 @@ def main() -> None:
         bench_uniform(args)
     elif args.workload == "gemm":
         bench_gemm(args)
+    elif args.workload == "sampler":
+        bench_sampler(args)
     elif args.workload == "spec":
         bench_spec(args)
     elif args.workload == "processor":

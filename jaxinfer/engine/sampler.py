@@ -51,14 +51,24 @@ def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -
     """Sampled rows draw Gumbel noise per vocabulary id, so a row without top-k, top-p or min-p gets the
     same token whether or not the batch sorts: only a batch where some sampled row filters pays for
     sorting the vocabulary (per row, [S, V]: the costliest part of sampling at a large vocabulary)."""
-    args = (logits, params.temperature, params.top_k, params.top_p, params.min_p, params.seed, params.step)
+    scaled = _scaled(logits, params.temperature)
+    noise = jax.vmap(_gumbel)(logits, params.seed, params.step)  # drawn once for both paths
+    unfiltered = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
     filtering = _filtering_rows(params, logits.shape[-1])
-    unfiltered = jax.vmap(_sample_unfiltered)(*args)
-    # Rows that do not filter keep the unsorted draw even when the batch sorts (bit for bit the same
-    # computation either way, so a row never depends on its neighbours).
-    sampled = lax.cond(jnp.any(filtering), lambda: jnp.where(filtering, jax.vmap(_sample_one)(*args), unfiltered),
-                       lambda: unfiltered)
+
+    def with_sort() -> jax.Array:
+        # Rows that do not filter keep the unsorted draw (bit for bit the same computation whether or
+        # not the batch sorts, so a row never depends on its neighbours).
+        drawn = jax.vmap(_sample_one)(scaled, noise, params.top_k, params.top_p, params.min_p)
+        return jnp.where(filtering, drawn, unfiltered)
+
+    sampled = lax.cond(jnp.any(filtering), with_sort, lambda: unfiltered)
     return jnp.where(params.temperature > 0.0, sampled, greedy)
+
+
+def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+    """[S, V] logits over each row's temperature (greedy rows' values are never used)."""
+    return logits / jnp.maximum(temperature, 1e-6)[:, None]
 
 
 def _filtering_rows(params: SamplingInputs, vocab: int) -> jax.Array:
@@ -72,10 +82,9 @@ def _gumbel(logits: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), logits.shape, jnp.float32)
 
 
-def _filter(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One row's sampling set: (vocabulary order by scaled logit, sorted scaled logits, kept mask)."""
-    vocab = logits.shape[-1]
-    scaled = logits / jnp.maximum(temperature, 1e-6)
+def _filter(scaled, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One row's sampling set from its tempered logits: (vocabulary order, sorted logits, kept mask)."""
+    vocab = scaled.shape[-1]
     order = jnp.argsort(-scaled)
     sorted_logits = scaled[order]
     probs = jax.nn.softmax(sorted_logits)
@@ -91,17 +100,10 @@ def _filter(logits, temperature, top_k, top_p, min_p) -> tuple[jax.Array, jax.Ar
     return order, sorted_logits, keep
 
 
-def _sample_one(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
-    order, sorted_logits, keep = _filter(logits, temperature, top_k, top_p, min_p)
-    gumbel = _gumbel(logits, seed, step)[order]
-    choice = jnp.argmax(jnp.where(keep, sorted_logits + gumbel, -jnp.inf))
+def _sample_one(scaled, noise, top_k, top_p, min_p) -> jax.Array:
+    order, sorted_logits, keep = _filter(scaled, top_k, top_p, min_p)
+    choice = jnp.argmax(jnp.where(keep, sorted_logits + noise[order], -jnp.inf))
     return order[choice].astype(jnp.int32)
-
-
-def _sample_unfiltered(logits, temperature, top_k, top_p, min_p, seed, step) -> jax.Array:
-    """`_sample_one` for a row that keeps the whole vocabulary: the same token, without the sort."""
-    scaled = logits / jnp.maximum(temperature, 1e-6)
-    return jnp.argmax(scaled + _gumbel(logits, seed, step)).astype(jnp.int32)
 
 
 def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
@@ -110,17 +112,18 @@ def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
     logits = _ban(logits, params.banned)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
 
-    def one(row, temperature, top_k, top_p, min_p):
-        order, sorted_logits, keep = _filter(row, temperature, top_k, top_p, min_p)
+    def one(scaled_row, top_k, top_p, min_p):
+        order, sorted_logits, keep = _filter(scaled_row, top_k, top_p, min_p)
         probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
         return jnp.zeros_like(probs).at[order].set(probs)
 
     def mixed() -> jax.Array:
         filtering = _filtering_rows(params, logits.shape[-1])
-        unfiltered = jax.nn.softmax(logits / jnp.maximum(params.temperature, 1e-6)[:, None], axis=-1)
+        scaled = _scaled(logits, params.temperature)
+        unfiltered = jax.nn.softmax(scaled, axis=-1)
 
         def with_sort() -> jax.Array:
-            sorted_rows = jax.vmap(one)(logits, params.temperature, params.top_k, params.top_p, params.min_p)
+            sorted_rows = jax.vmap(one)(scaled, params.top_k, params.top_p, params.min_p)
             return jnp.where(filtering[:, None], sorted_rows, unfiltered)
 
         sampled = lax.cond(jnp.any(filtering), with_sort, lambda: unfiltered)
