@@ -42,6 +42,7 @@ def triton_ir(group: int, head_dim: int, page_size: int, block_tokens: int, quer
     import jax.numpy as jnp
     from jax import export
     from jax._src.pallas.triton import pallas_call_registration as registration
+    from jax.experimental import pallas as pl
 
     from jaxinfer.layers.attention import AttentionMetadata
     from jaxinfer.layers.kv_layout import KVCache
@@ -69,8 +70,7 @@ def triton_ir(group: int, head_dim: int, page_size: int, block_tokens: int, quer
             q, pool, pool, meta)
     finally:
         registration.lowering.lower_jaxpr_to_triton_module = lower
-    padded_group = 1 << (group - 1).bit_length()
-    return captured[0], warps_for(kernel.tile_tokens(group) * padded_group)
+    return captured[0], warps_for(kernel.tile_tokens(group) * pl.next_power_of_2(group))
 
 
 def main() -> None:

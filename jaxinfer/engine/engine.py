@@ -513,10 +513,10 @@ class Engine:
     def _build_batch(self, chunks: list[ScheduledChunk], drafts: list[list[int]] | None = None) -> HostBatch:
         """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk.
 
-        Per row only lists are gathered; the arrays are then filled whole (a batch of 256 decode rows
-        cost 2.2 ms of host time per step filled row by row)."""
+        Per row only lists are gathered; the arrays are then filled whole, which keeps the host's share
+        of a batch-256 step small (docs/benchmarks.md, "The host's share of a step at batch 256")."""
         drafts = drafts or [[] for _ in chunks]
-        rows = len(chunks)
+        rows, seqs = len(chunks), [c.seq for c in chunks]
         counts = np.array([c.count + len(d) for c, d in zip(chunks, drafts, strict=True)], np.int32)
         ends = np.cumsum(counts, dtype=np.int32)
         total = int(ends[-1]) if rows else 0
@@ -528,7 +528,7 @@ class Engine:
         batch.tokens[:total] = self._known_tokens(chunks, drafts, ends, batch.from_prev)
         batch.positions[:total] = positions
         batch.seq_rows[:total] = row_of_token
-        pages = [c.seq.pages for c in chunks]
+        pages = [seq.pages for seq in seqs]
         pages_per_row = np.array([len(p) for p in pages], np.int32)
         page_rows = np.repeat(np.arange(rows, dtype=np.int32), pages_per_row)
         page_columns = np.arange(page_rows.size, dtype=np.int32) - np.repeat(np.cumsum(pages_per_row) - pages_per_row,
@@ -536,12 +536,11 @@ class Engine:
         batch.page_table[page_rows, page_columns] = np.fromiter(itertools.chain.from_iterable(pages), np.int32,
                                                                 page_rows.size)
         page_size = self.cfg.page_size
-        assert (positions // page_size < pages_per_row[row_of_token]).all(), "a scheduled position has no page"
-        batch.write_slots[:total] = (batch.page_table[row_of_token, positions // page_size] * page_size
-                                     + positions % page_size)
+        page_index = positions // page_size
+        assert (page_index < pages_per_row[row_of_token]).all(), "a scheduled position has no page"
+        batch.write_slots[:total] = batch.page_table[row_of_token, page_index] * page_size + positions % page_size
         batch.logits_rows[:rows] = ends - 1
-        batch.adapters[:total] = np.repeat(np.array([c.seq.adapter_slot for c in chunks], np.int32), counts)
-        seqs = [c.seq for c in chunks]
+        batch.adapters[:total] = np.repeat(np.array([seq.adapter_slot for seq in seqs], np.int32), counts)
         self._fill_sampling_rows(batch, 0, seqs, [seq.num_generated for seq in seqs])
         # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
         batch.seq_rows[total:] = rows - 1
