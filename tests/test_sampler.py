@@ -115,3 +115,78 @@ def test_a_row_without_filters_draws_the_same_whether_or_not_its_batch_sorts():
     beside_a_filter, _ = jax.jit(sample)(logits, params(0.5))
     np.testing.assert_array_equal(np.asarray(alone)[1:], np.asarray(beside_a_filter)[1:])
     assert len(set(np.asarray(alone).tolist())) > rows // 2, "rows drew different tokens"
+
+
+def hf_kept_sets(logits: np.ndarray, temperature: float, settings: list[dict]) -> np.ndarray:
+    """transformers' warpers (temperature, top-k, min-p, then top-p), one row at a time: [S, V] kept mask."""
+    import torch
+    from transformers.generation import logits_process as lp
+
+    kept = []
+    for row, setting in zip(logits, settings, strict=True):
+        warpers = [lp.TemperatureLogitsWarper(temperature)]
+        if setting["top_k"]:
+            warpers.append(lp.TopKLogitsWarper(setting["top_k"]))
+        if setting["min_p"]:
+            warpers.append(lp.MinPLogitsWarper(setting["min_p"]))
+        if setting["top_p"] < 1.0:
+            warpers.append(lp.TopPLogitsWarper(setting["top_p"]))
+        scores = torch.from_numpy(row[None].copy())
+        for warper in warpers:
+            scores = warper(None, scores)
+        kept.append(torch.isfinite(scores)[0].numpy())
+    return np.stack(kept)
+
+
+def unambiguous_top_p(row: np.ndarray, temperature: float, top_k: int, min_p: float, rank: int) -> float:
+    """A top_p halfway between the renormalized masses of the `rank` and `rank + 1` most likely kept
+    tokens, so float rounding cannot move the nucleus boundary (in any implementation)."""
+    p = np.exp((row - row.max()).astype(np.float64) / temperature)
+    p /= p.sum()
+    order = np.argsort(-p)
+    kept = np.ones(len(p), bool)
+    if top_k:
+        kept[order[top_k:]] = False
+    kept &= p >= min_p * p.max()
+    mass = np.where(kept, p, 0.0)[order]
+    cumulative = np.cumsum(mass / mass.sum())
+    return float((cumulative[rank - 1] + cumulative[rank]) / 2)
+
+
+def test_kept_sets_and_distribution_match_transformers_warpers():
+    """The sort-free kept sets (threshold searches) against transformers' sorting warpers, with each row
+    under its own mix of top-k, min-p and top-p, on a Llama-3-sized vocabulary."""
+    rng = np.random.default_rng(0)
+    vocab, temperature = 128256, 0.7
+    settings = [dict(top_k=top_k, min_p=min_p, top_p=top_p) for top_k, min_p, top_p in [
+        (0, 0.0, "p"), (40, 0.0, 1.0), (1, 0.0, 1.0), (0, 0.05, 1.0), (0, 0.005, 1.0), (2000, 0.0, "p"),
+        (40, 0.01, "p"), (0, 0.02, "p"), (vocab, 0.0, "p"), (0, 0.0, 1.0), (5, 0.0, "p"), (40, 0.01, 1.0)]]
+    rows = len(settings)
+    logits = (rng.standard_normal((rows, vocab)) * 2.5).astype(np.float32)
+    for row, setting in zip(logits, settings, strict=True):
+        if setting["top_p"] == "p":
+            kept_rank = int(rng.integers(1, min(setting["top_k"] or 30, 30)))
+            setting["top_p"] = unambiguous_top_p(row, temperature, setting["top_k"], setting["min_p"], kept_rank)
+    params = SamplingInputs(
+        temperature=jnp.full(rows, temperature, jnp.float32),
+        top_k=jnp.asarray([s["top_k"] for s in settings], jnp.int32),
+        top_p=jnp.asarray([s["top_p"] for s in settings], jnp.float32),
+        min_p=jnp.asarray([s["min_p"] for s in settings], jnp.float32),
+        seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.zeros(rows, jnp.int32),
+        banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
+    ours = np.asarray(jax.jit(distribution)(jnp.asarray(logits), params))
+    expected_kept = hf_kept_sets(logits, temperature, settings)
+    for i in range(rows):
+        np.testing.assert_array_equal(ours[i] > 0, expected_kept[i], err_msg=f"row {i}: {settings[i]}")
+        scaled = logits[i][expected_kept[i]].astype(np.float64) / temperature
+        expected = np.exp(scaled - scaled.max())
+        np.testing.assert_allclose(ours[i][expected_kept[i]], expected / expected.sum(), rtol=1e-4, atol=1e-7)
+    sizes = sorted({int(k.sum()) for k in expected_kept})
+    assert len(sizes) >= 8 and sizes[0] == 1 and sizes[-1] == vocab, sizes
+    tokens, _ = jax.jit(sample)(jnp.asarray(logits), params)
+    assert expected_kept[np.arange(rows), np.asarray(tokens)].all(), "a sampled token outside its kept set"
+
+
+def test_top_k_keeps_every_token_tied_at_its_threshold():
+    logits = np.log(np.array([0.3, 0.2, 0.2, 0.2, 0.1], np.float32))
+    assert set(draw(2000, top_k=2, logits=logits).tolist()) == {0, 1, 2, 3}

@@ -235,24 +235,28 @@ def bench_gemm(args: argparse.Namespace) -> None:
 
 # -- sampler: the on-device sampler alone, with and without a filter that makes the batch sort -----
 def bench_sampler(args: argparse.Namespace) -> None:
-    """ms per jitted `sample()` call on random logits at temperature 0.8, top_p 1 (no sort) and 0.9."""
+    """ms per jitted `sample()` call on random logits at temperature 0.8: no filter, then each filter alone."""
     import jax
     import jax.numpy as jnp
 
     from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 
     fn = jax.jit(sample)
+    settings = [dict(), dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9)]
     for rows in args.rows:
         logits = jax.random.normal(jax.random.key(0), (rows, args.vocab)) * 3
-        for top_p in (1.0, 0.9):
-            params = SamplingInputs(jnp.full(rows, 0.8), jnp.zeros(rows, jnp.int32), jnp.full(rows, top_p),
-                                    jnp.zeros(rows), jnp.arange(rows, dtype=jnp.uint32), jnp.zeros(rows, jnp.int32),
-                                    jnp.full((rows, MAX_BANNED), -1, jnp.int32))
+        for setting in settings:
+            params = SamplingInputs(
+                temperature=jnp.full(rows, 0.8), top_k=jnp.full(rows, setting.get("top_k", 0), jnp.int32),
+                top_p=jnp.full(rows, setting.get("top_p", 1.0)), min_p=jnp.full(rows, setting.get("min_p", 0.0)),
+                seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.zeros(rows, jnp.int32),
+                banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
             fn(logits, params)[0].block_until_ready()
             start = time.perf_counter()
             for _ in range(args.repeats):
                 fn(logits, params)[0].block_until_ready()
-            emit(dict(what="sampler", backend=jax.default_backend(), rows=rows, vocab=args.vocab, top_p=top_p,
+            emit(dict(what="sampler", backend=jax.default_backend(), rows=rows, vocab=args.vocab,
+                      **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **setting},
                       ms=round((time.perf_counter() - start) / args.repeats * 1e3, 2)))
 
 

@@ -48,21 +48,21 @@ def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
 
 
 def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -> jax.Array:
-    """Sampled rows draw Gumbel noise per vocabulary id, so a row without top-k, top-p or min-p gets the
-    same token whether or not the batch sorts: only a batch where some sampled row filters pays for
-    sorting the vocabulary (per row, [S, V]: the costliest part of sampling at a large vocabulary)."""
+    """Sampled rows draw Gumbel noise per vocabulary id and take the argmax over their kept set. Only a
+    batch where some sampled row uses top-k, top-p or min-p computes kept sets; a row without them
+    takes the same token (bit for bit) whatever its neighbours do."""
     scaled = _scaled(logits, params.temperature)
-    noise = jax.vmap(_gumbel)(logits, params.seed, params.step)  # drawn once for both paths
-    unfiltered = jnp.argmax(scaled + noise, axis=-1).astype(jnp.int32)
+    noise = jax.vmap(_gumbel)(logits, params.seed, params.step)
+    perturbed = scaled + noise
+    unfiltered = jnp.argmax(perturbed, axis=-1).astype(jnp.int32)
     filtering = _filtering_rows(params, logits.shape[-1])
 
-    def with_sort() -> jax.Array:
-        # Rows that do not filter keep the unsorted draw (bit for bit the same computation whether or
-        # not the batch sorts, so a row never depends on its neighbours).
-        drawn = jax.vmap(_sample_one)(scaled, noise, params.top_k, params.top_p, params.min_p)
+    def filtered() -> jax.Array:
+        keep = _kept(scaled, params, filtering)
+        drawn = jnp.argmax(jnp.where(keep, perturbed, -jnp.inf), axis=-1).astype(jnp.int32)
         return jnp.where(filtering, drawn, unfiltered)
 
-    sampled = lax.cond(jnp.any(filtering), with_sort, lambda: unfiltered)
+    sampled = lax.cond(jnp.any(filtering), filtered, lambda: unfiltered)
     return jnp.where(params.temperature > 0.0, sampled, greedy)
 
 
@@ -72,7 +72,7 @@ def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
 
 
 def _filtering_rows(params: SamplingInputs, vocab: int) -> jax.Array:
-    """[S] bool: sampled rows that use top-k, top-p or min-p (only they need their vocabulary sorted)."""
+    """[S] bool: sampled rows that use top-k, top-p or min-p."""
     filters = ((params.top_k > 0) & (params.top_k < vocab)) | (params.top_p < 1.0) | (params.min_p > 0.0)
     return (params.temperature > 0.0) & filters
 
@@ -82,28 +82,74 @@ def _gumbel(logits: jax.Array, seed: jax.Array, step: jax.Array) -> jax.Array:
     return jax.random.gumbel(jax.random.fold_in(jax.random.key(seed), step), logits.shape, jnp.float32)
 
 
-def _filter(scaled, top_k, top_p, min_p) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One row's sampling set from its tempered logits: (vocabulary order, sorted logits, kept mask)."""
-    vocab = scaled.shape[-1]
-    order = jnp.argsort(-scaled)
-    sorted_logits = scaled[order]
-    probs = jax.nn.softmax(sorted_logits)
-    rank = jnp.arange(vocab)
-    keep = rank < jnp.where(top_k > 0, top_k, vocab)
-    keep &= probs >= min_p * probs[0]
-    # top-p over what top-k and min-p kept, renormalized (as vLLM does): the smallest prefix whose
-    # mass reaches top_p; the most likely token always stays.
-    kept = jnp.where(keep, probs, 0.0)
-    kept = kept / jnp.sum(kept)
-    keep &= (jnp.cumsum(kept) - kept < top_p) | (top_p >= 1.0)  # 1: off, even where the sum rounds to 1
-    keep = keep.at[0].set(True)
-    return order, sorted_logits, keep
+# -- kept sets without sorting ------------------------------------------------------------------------
+# Each filter keeps an upper set of the row's logits: every token at or above a threshold. The
+# threshold is found by bisection over the 2^32 ordered bit patterns of float32 (32 passes over the
+# row, each a compare and a sum), which on accelerators costs a fraction of sorting the vocabulary.
+# Tokens tied at a threshold are all kept, as vLLM's top-k does.
+_SEARCH_STEPS = 32
 
 
-def _sample_one(scaled, noise, top_k, top_p, min_p) -> jax.Array:
-    order, sorted_logits, keep = _filter(scaled, top_k, top_p, min_p)
-    choice = jnp.argmax(jnp.where(keep, sorted_logits + noise[order], -jnp.inf))
-    return order[choice].astype(jnp.int32)
+def _ordered_keys(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (negative floats reversed, positives above them)."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_passing(passes, low: jax.Array, high: jax.Array) -> jax.Array:
+    """[S] uint32: per row, the largest t in [low, high] with passes(t), given passes(low) and that
+    passes is true up to some t and false above it."""
+
+    def halve(_, bounds):
+        low, high = bounds
+        span = high - low
+        middle = low + (span >> 1) + (span & 1)  # rounds up, and never overflows
+        ok = passes(middle)
+        return jnp.where(ok, middle, low), jnp.where(ok, high, middle - 1)
+
+    return lax.fori_loop(0, _SEARCH_STEPS, halve, (low, high), unroll=True)[0]
+
+
+def _kept(scaled: jax.Array, params: SamplingInputs, filtering: jax.Array) -> jax.Array:
+    """[S, V] bool: each row's sampling set. min-p and top-k first, then top-p over what they kept,
+    renormalized (as vLLM does): the smallest set of most likely tokens whose mass reaches top_p.
+    The most likely token always stays; rows that do not filter keep everything."""
+    keys = _ordered_keys(scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    threshold = jnp.maximum(_min_p_threshold(keys, probs, params.min_p), _top_k_threshold(keys, params.top_k))
+    uses_top_p = params.top_p < 1.0
+    nucleus = lax.cond(jnp.any(uses_top_p & filtering),
+                       lambda: _top_p_threshold(keys, probs, params.top_p, threshold), lambda: threshold)
+    threshold = jnp.where(uses_top_p, nucleus, threshold)
+    return keys >= jnp.where(filtering, threshold, jnp.uint32(0))[:, None]
+
+
+def _min_p_threshold(keys: jax.Array, probs: jax.Array, min_p: jax.Array) -> jax.Array:
+    """The lowest key whose probability is at least min_p times the row's highest (no search needed)."""
+    kept = probs >= (min_p * jnp.max(probs, axis=-1))[:, None]
+    return jnp.min(jnp.where(kept, keys, jnp.max(keys, axis=-1)[:, None]), axis=-1)
+
+
+def _top_k_threshold(keys: jax.Array, top_k: jax.Array) -> jax.Array:
+    """The largest key with at least top_k tokens at or above it (the lowest key where top-k is off)."""
+    vocab = keys.shape[-1]
+    top_k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+    lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
+
+    def search() -> jax.Array:
+        return _largest_passing(lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= top_k, lowest, highest)
+
+    return lax.cond(jnp.any(top_k < vocab), search, lambda: lowest)
+
+
+def _top_p_threshold(keys: jax.Array, probs: jax.Array, top_p: jax.Array, start: jax.Array) -> jax.Array:
+    """The largest key whose upper set holds at least top_p of the mass at or above `start`."""
+
+    def mass(t: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1)
+
+    target = top_p * mass(start)  # top_p < 1 gives target <= mass(start): the search's start passes
+    return _largest_passing(lambda t: mass(t) >= target, start, jnp.max(keys, axis=-1))
 
 
 def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
@@ -112,22 +158,16 @@ def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
     logits = _ban(logits, params.banned)
     greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
 
-    def one(scaled_row, top_k, top_p, min_p):
-        order, sorted_logits, keep = _filter(scaled_row, top_k, top_p, min_p)
-        probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
-        return jnp.zeros_like(probs).at[order].set(probs)
-
     def mixed() -> jax.Array:
         filtering = _filtering_rows(params, logits.shape[-1])
         scaled = _scaled(logits, params.temperature)
         unfiltered = jax.nn.softmax(scaled, axis=-1)
 
-        def with_sort() -> jax.Array:
-            sorted_rows = jax.vmap(one)(scaled, params.top_k, params.top_p, params.min_p)
-            return jnp.where(filtering[:, None], sorted_rows, unfiltered)
+        def filtered() -> jax.Array:
+            kept = jax.nn.softmax(jnp.where(_kept(scaled, params, filtering), scaled, -jnp.inf), axis=-1)
+            return jnp.where(filtering[:, None], kept, unfiltered)
 
-        sampled = lax.cond(jnp.any(filtering), with_sort, lambda: unfiltered)
+        sampled = lax.cond(jnp.any(filtering), filtered, lambda: unfiltered)
         return jnp.where((params.temperature <= 0.0)[:, None], greedy, sampled)
 
-    # An all-greedy batch, or one where no sampled row filters, skips the per-row sort of the vocabulary.
     return lax.cond(jnp.all(params.temperature <= 0.0), lambda: greedy, mixed)
