@@ -96,9 +96,9 @@ def test_banned_ids_are_never_drawn_greedy_or_sampled():
     assert set(draw(50, temperature=0.0, banned=(0,)).tolist()) == {1}
 
 
-def test_a_row_without_filters_draws_the_same_whether_or_not_its_batch_sorts():
-    """Unfiltered rows skip the vocabulary sort unless another sampled row filters; either way a row's
-    token and distribution (bit for bit) depend only on its logits, settings, seed and step."""
+def test_a_row_without_filters_draws_the_same_whatever_its_neighbours_filter():
+    """Unfiltered rows skip the kept-set searches unless another sampled row filters; either way a
+    row's token and distribution (bit for bit) depend only on its logits, settings, seed and step."""
     rows, vocab = 64, 1000
     logits = jax.random.normal(jax.random.key(3), (rows, vocab)) * 3
 
@@ -118,7 +118,8 @@ def test_a_row_without_filters_draws_the_same_whether_or_not_its_batch_sorts():
 
 
 def hf_kept_sets(logits: np.ndarray, temperature: float, settings: list[dict]) -> np.ndarray:
-    """transformers' warpers (temperature, top-k, min-p, then top-p), one row at a time: [S, V] kept mask."""
+    """transformers' warpers (temperature, top-k, min-p, then top-p), one row at a time: [S, V] kept mask.
+    Banned ids are set to -inf first."""
     import torch
     from transformers.generation import logits_process as lp
 
@@ -132,16 +133,19 @@ def hf_kept_sets(logits: np.ndarray, temperature: float, settings: list[dict]) -
         if setting["top_p"] < 1.0:
             warpers.append(lp.TopPLogitsWarper(setting["top_p"]))
         scores = torch.from_numpy(row[None].copy())
+        scores[0, list(setting.get("banned", []))] = -torch.inf
         for warper in warpers:
             scores = warper(None, scores)
         kept.append(torch.isfinite(scores)[0].numpy())
     return np.stack(kept)
 
 
-def unambiguous_top_p(row: np.ndarray, temperature: float, top_k: int, min_p: float, rank: int) -> float:
+def unambiguous_top_p(row: np.ndarray, temperature: float, top_k: int, min_p: float, rank: int,
+                      banned: tuple[int, ...] = ()) -> float:
     """A top_p halfway between the renormalized masses of the `rank` and `rank + 1` most likely kept
     tokens, so float rounding cannot move the nucleus boundary (in any implementation)."""
     p = np.exp((row - row.max()).astype(np.float64) / temperature)
+    p[list(banned)] = 0.0
     p /= p.sum()
     order = np.argsort(-p)
     kept = np.ones(len(p), bool)
@@ -160,20 +164,28 @@ def test_kept_sets_and_distribution_match_transformers_warpers():
     vocab, temperature = 128256, 0.7
     settings = [dict(top_k=top_k, min_p=min_p, top_p=top_p) for top_k, min_p, top_p in [
         (0, 0.0, "p"), (40, 0.0, 1.0), (1, 0.0, 1.0), (0, 0.05, 1.0), (0, 0.005, 1.0), (2000, 0.0, "p"),
-        (40, 0.01, "p"), (0, 0.02, "p"), (vocab, 0.0, "p"), (0, 0.0, 1.0), (5, 0.0, "p"), (40, 0.01, 1.0)]]
+        (40, 0.01, "p"), (0, 0.02, "p"), (vocab, 0.0, "p"), (0, 0.0, 1.0), (5, 0.0, "p"), (40, 0.01, 1.0),
+        (0, 0.0, "wide"), (40, 0.0, "p")]]
     rows = len(settings)
     logits = (rng.standard_normal((rows, vocab)) * 2.5).astype(np.float32)
+    settings[-1]["banned"] = tuple(np.argsort(-logits[-1])[:3].tolist())  # the 3 likeliest ids
     for row, setting in zip(logits, settings, strict=True):
         if setting["top_p"] == "p":
             kept_rank = int(rng.integers(1, min(setting["top_k"] or 30, 30)))
-            setting["top_p"] = unambiguous_top_p(row, temperature, setting["top_k"], setting["min_p"], kept_rank)
+        elif setting["top_p"] == "wide":
+            kept_rank = 3000  # float32 sums over thousands of tokens decide this boundary
+        else:
+            continue
+        setting["top_p"] = unambiguous_top_p(row, temperature, setting["top_k"], setting["min_p"], kept_rank,
+                                             setting.get("banned", ()))
     params = SamplingInputs(
         temperature=jnp.full(rows, temperature, jnp.float32),
         top_k=jnp.asarray([s["top_k"] for s in settings], jnp.int32),
         top_p=jnp.asarray([s["top_p"] for s in settings], jnp.float32),
         min_p=jnp.asarray([s["min_p"] for s in settings], jnp.float32),
         seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.zeros(rows, jnp.int32),
-        banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
+        banned=jnp.asarray([list(s.get("banned", ())) + [-1] * (MAX_BANNED - len(s.get("banned", ())))
+                            for s in settings], jnp.int32))
     ours = np.asarray(jax.jit(distribution)(jnp.asarray(logits), params))
     expected_kept = hf_kept_sets(logits, temperature, settings)
     for i in range(rows):
@@ -190,3 +202,5 @@ def test_kept_sets_and_distribution_match_transformers_warpers():
 def test_top_k_keeps_every_token_tied_at_its_threshold():
     logits = np.log(np.array([0.3, 0.2, 0.2, 0.2, 0.1], np.float32))
     assert set(draw(2000, top_k=2, logits=logits).tolist()) == {0, 1, 2, 3}
+    signed_zeros = np.array([2.0, 0.0, -0.0, -1.0], np.float32)  # -0.0 == 0.0: a tie, as transformers sees it
+    assert set(draw(2000, top_k=2, logits=signed_zeros).tolist()) == {0, 1, 2}

@@ -233,7 +233,7 @@ def bench_gemm(args: argparse.Namespace) -> None:
                   gflop_per_s=round(flops / seconds / 1e9, 1)))
 
 
-# -- sampler: the on-device sampler alone, with and without a filter that makes the batch sort -----
+# -- sampler: the on-device sampler alone, without filters and with each filter ---------------------
 def bench_sampler(args: argparse.Namespace) -> None:
     """ms per jitted `sample()` call on random logits at temperature 0.8: no filter, then each filter alone."""
     import jax

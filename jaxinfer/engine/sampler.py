@@ -91,14 +91,16 @@ _SEARCH_STEPS = 32
 
 
 def _ordered_keys(x: jax.Array) -> jax.Array:
-    """float32 -> uint32 with the same order (negative floats reversed, positives above them)."""
+    """float32 -> uint32 with the same order (negative floats reversed, positives above them). Values
+    that compare equal get one key: -0.0 (and subnormals where the backend flushes them) become +0.0."""
+    x = jnp.where(x == 0.0, jnp.float32(0.0), x)
     bits = lax.bitcast_convert_type(x, jnp.uint32)
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
 def _largest_passing(passes, low: jax.Array, high: jax.Array) -> jax.Array:
     """[S] uint32: per row, the largest t in [low, high] with passes(t), given passes(low) and that
-    passes is true up to some t and false above it."""
+    passes is true up to some t and false above it. Never below low, even if passes(low) were false."""
 
     def halve(_, bounds):
         low, high = bounds
@@ -107,7 +109,7 @@ def _largest_passing(passes, low: jax.Array, high: jax.Array) -> jax.Array:
         ok = passes(middle)
         return jnp.where(ok, middle, low), jnp.where(ok, high, middle - 1)
 
-    return lax.fori_loop(0, _SEARCH_STEPS, halve, (low, high), unroll=True)[0]
+    return jnp.maximum(lax.fori_loop(0, _SEARCH_STEPS, halve, (low, high), unroll=True)[0], low)
 
 
 def _kept(scaled: jax.Array, params: SamplingInputs, filtering: jax.Array) -> jax.Array:
@@ -116,7 +118,8 @@ def _kept(scaled: jax.Array, params: SamplingInputs, filtering: jax.Array) -> ja
     The most likely token always stays; rows that do not filter keep everything."""
     keys = _ordered_keys(scaled)
     probs = jax.nn.softmax(scaled, axis=-1)
-    threshold = jnp.maximum(_min_p_threshold(keys, probs, params.min_p), _top_k_threshold(keys, params.top_k))
+    top_k = jnp.where(filtering, params.top_k, 0)  # greedy rows' settings cost no search
+    threshold = jnp.maximum(_min_p_threshold(keys, probs, params.min_p), _top_k_threshold(keys, top_k))
     uses_top_p = params.top_p < 1.0
     nucleus = lax.cond(jnp.any(uses_top_p & filtering),
                        lambda: _top_p_threshold(keys, probs, params.top_p, threshold), lambda: threshold)
