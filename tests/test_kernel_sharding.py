@@ -52,7 +52,7 @@ for model_parallel, kv_heads in [(2, 4), (4, 4), (2, 3)]:
     report["ragged_" + name] = run(RaggedPagedAttention.plain_jax(model_parallel=model_parallel), kv_heads,
                                    model_parallel)
 
-engine = dict(token_buckets=(8, 64), max_seqs=8, page_size=8, num_pages=128, max_model_len=256,
+engine = dict(token_buckets=(8,), max_seqs=8, page_size=8, num_pages=128, max_model_len=256,
               compile_guard="raise")
 prompts = ["Name a color.", "What is 7 times 8?", "Say hello."]
 greedy = SamplingParams(max_tokens=10, temperature=0.0)

@@ -17,7 +17,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.params import Request
 from jaxinfer.errors import ConfigError
 
-engine = dict(token_buckets=(8, 64), max_seqs=8, page_size=8, num_pages=256, compile_guard="raise")
+engine = dict(token_buckets=(8,), max_seqs=8, page_size=8, num_pages=256, compile_guard="raise")
 system = "You are a helpful assistant who answers in one short sentence. " * 3
 questions = ("Name a color.", "What is 7 times 8?", "Say hello.", "Name a fruit.", "What is the capital of Italy?")
 chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in questions]
