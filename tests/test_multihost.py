@@ -129,7 +129,7 @@ def token_ids(path: Path) -> dict[str, list[int]]:
 
 def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups):
     """Greedy output over 2 processes x 2 devices (weights restored from the orbax checkpoint saved
-    sharded over 2 devices) equals one process with the same 4 devices on the GGUF."""
+    sharded over 2 devices) equals one process of 4 devices on the GGUF."""
     group = Group(workdir, "--model", str(workdir / "orbax"), "--input", str(workdir / "in.jsonl"))
     groups.append(group)
     assert group.wait(0) == 0, group.log(0)[-3000:]

@@ -61,7 +61,8 @@ report["sessions_spread"] = sorted({session_replica(f"s{i}") for i in range(16)}
 server_engine = two.new_engine()
 free = [e.pool.num_free for e in server_engine.engines]
 queued = [server_engine.add_request(two.chat_request(c, greedy)) for c in chats[:2]]
-server_engine.step()
+while not queued[1].output_ids:  # abort once it decodes: its prompt's pages and a generated token's
+    server_engine.step()
 aborted = server_engine.abort(queued[1].index)
 report["aborted"] = [aborted.index, aborted.finish_reason, queued[1].index % 2]
 while server_engine.has_unfinished():

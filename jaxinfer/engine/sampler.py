@@ -95,6 +95,7 @@ def _ordered_keys(x: jax.Array) -> jax.Array:
     that compare equal get one key: -0.0 (and subnormals where the backend flushes them) become +0.0."""
     x = jnp.where(x == 0.0, jnp.float32(0.0), x)
     bits = lax.bitcast_convert_type(x, jnp.uint32)
+    bits = jnp.where(bits == jnp.uint32(0x80000000), jnp.uint32(0), bits)  # -0.0, even if fast math folded the above
     return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
 
 
