@@ -22,10 +22,15 @@ def draw(n: int, *, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, logits=LOGIT
         min_p=jnp.full(n, min_p, jnp.float32),
         seed=jnp.full(n, seed, jnp.uint32),
         step=jnp.arange(n, dtype=jnp.int32),
-        banned=jnp.tile(jnp.asarray(list(banned) + [-1] * (MAX_BANNED - len(banned)), jnp.int32), (n, 1)),
+        banned=jnp.tile(jnp.asarray(banned_row(banned), jnp.int32), (n, 1)),
     )
     tokens, _ = jax.jit(sample)(jnp.tile(jnp.asarray(logits), (n, 1)), params)
     return np.asarray(tokens)
+
+
+def banned_row(ids: tuple[int, ...]) -> list[int]:
+    """One row of `SamplingInputs.banned`: the ids, then -1 up to MAX_BANNED."""
+    return list(ids) + [-1] * (MAX_BANNED - len(ids))
 
 
 def test_temperature_one_matches_the_softmax_distribution():
@@ -186,8 +191,7 @@ def test_kept_sets_and_distribution_match_transformers_warpers():
         top_p=jnp.asarray([s["top_p"] for s in settings], jnp.float32),
         min_p=jnp.asarray([s["min_p"] for s in settings], jnp.float32),
         seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.zeros(rows, jnp.int32),
-        banned=jnp.asarray([list(s.get("banned", ())) + [-1] * (MAX_BANNED - len(s.get("banned", ())))
-                            for s in settings], jnp.int32))
+        banned=jnp.asarray([banned_row(s.get("banned", ())) for s in settings], jnp.int32))
     ours = np.asarray(jax.jit(distribution)(jnp.asarray(logits), params))
     expected_kept = hf_kept_sets(logits, temperature, settings)
     for i in range(rows):

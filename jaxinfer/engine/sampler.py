@@ -118,27 +118,28 @@ def _kept(scaled: jax.Array, params: SamplingInputs, filtering: jax.Array) -> ja
     renormalized (as vLLM does): the smallest set of most likely tokens whose mass reaches top_p.
     The most likely token always stays; rows that do not filter keep everything."""
     keys = _ordered_keys(scaled)
+    lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
     probs = jax.nn.softmax(scaled, axis=-1)
     top_k = jnp.where(filtering, params.top_k, 0)  # greedy rows' settings cost no search
-    threshold = jnp.maximum(_min_p_threshold(keys, probs, params.min_p), _top_k_threshold(keys, top_k))
+    threshold = jnp.maximum(_min_p_threshold(keys, highest, probs, params.min_p),
+                            _top_k_threshold(keys, lowest, highest, top_k))
     uses_top_p = params.top_p < 1.0
     nucleus = lax.cond(jnp.any(uses_top_p & filtering),
-                       lambda: _top_p_threshold(keys, probs, params.top_p, threshold), lambda: threshold)
+                       lambda: _top_p_threshold(keys, highest, probs, params.top_p, threshold), lambda: threshold)
     threshold = jnp.where(uses_top_p, nucleus, threshold)
     return keys >= jnp.where(filtering, threshold, jnp.uint32(0))[:, None]
 
 
-def _min_p_threshold(keys: jax.Array, probs: jax.Array, min_p: jax.Array) -> jax.Array:
+def _min_p_threshold(keys: jax.Array, highest: jax.Array, probs: jax.Array, min_p: jax.Array) -> jax.Array:
     """The lowest key whose probability is at least min_p times the row's highest (no search needed)."""
     kept = probs >= (min_p * jnp.max(probs, axis=-1))[:, None]
-    return jnp.min(jnp.where(kept, keys, jnp.max(keys, axis=-1)[:, None]), axis=-1)
+    return jnp.min(jnp.where(kept, keys, highest[:, None]), axis=-1)
 
 
-def _top_k_threshold(keys: jax.Array, top_k: jax.Array) -> jax.Array:
+def _top_k_threshold(keys: jax.Array, lowest: jax.Array, highest: jax.Array, top_k: jax.Array) -> jax.Array:
     """The largest key with at least top_k tokens at or above it (the lowest key where top-k is off)."""
     vocab = keys.shape[-1]
     top_k = jnp.where((top_k > 0) & (top_k < vocab), top_k, vocab)
-    lowest, highest = jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)
 
     def search() -> jax.Array:
         return _largest_passing(lambda t: jnp.sum(keys >= t[:, None], axis=-1) >= top_k, lowest, highest)
@@ -146,14 +147,15 @@ def _top_k_threshold(keys: jax.Array, top_k: jax.Array) -> jax.Array:
     return lax.cond(jnp.any(top_k < vocab), search, lambda: lowest)
 
 
-def _top_p_threshold(keys: jax.Array, probs: jax.Array, top_p: jax.Array, start: jax.Array) -> jax.Array:
+def _top_p_threshold(keys: jax.Array, highest: jax.Array, probs: jax.Array, top_p: jax.Array,
+                     start: jax.Array) -> jax.Array:
     """The largest key whose upper set holds at least top_p of the mass at or above `start`."""
 
     def mass(t: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(keys >= t[:, None], probs, 0.0), axis=-1)
 
     target = top_p * mass(start)  # top_p < 1 gives target <= mass(start): the search's start passes
-    return _largest_passing(lambda t: mass(t) >= target, start, jnp.max(keys, axis=-1))
+    return _largest_passing(lambda t: mass(t) >= target, start, highest)
 
 
 def distribution(logits: jax.Array, params: SamplingInputs) -> jax.Array:
