@@ -163,11 +163,12 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     program = [*CHAT, {"special": "<|exec|>"}, SIX_TIMES_SEVEN, {"special": "<|/exec|>"}]
     lines = [{"id": "on", "prompt": program}, {"id": "off", "prompt": program, "exec": False}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # exec_llm's engine settings, so that the runner finds its programs in the compilation cache.
     (tmp_path / "engine.toml").write_text(
-        "[engine]\ntoken_buckets = [1, 8, 64]\nmax_seqs = 8\npage_size = 8\nnum_pages = 512\n")
+        "[engine]\ntoken_buckets = [1, 8, 64]\nmax_seqs = 8\npage_size = 8\nnum_pages = 512\nmax_adapters = 1\n")
     proc = subprocess.run(
         [sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"), "--output",
-         str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"), "--exec", "--exec-slots", "1",
+         str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"), "--exec", "--exec-slots", "2",
          "--max-tokens", "8", "--no-progress", "--stats-json", str(tmp_path / "stats.json")],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr

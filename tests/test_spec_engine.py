@@ -25,6 +25,9 @@ CHATS = [[{"role": "user", "content": text}] for text in (
     "What is the capital of France?", "Write a haiku about tides.", "Count from one to ten.",
     "Name three colours of the rainbow.")]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+# The truncated draft and the batch runner's (the same folder) propose this many tokens, so the
+# runner's process finds the fixture's programs in the persistent compilation cache.
+DRAFT_TOKENS = 2
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,7 @@ def draft_folder(smollm2_llm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def truncated_draft(draft_folder):
-    return LLM("smollm2-135m", **TEST_ENGINE, draft_model=str(draft_folder), num_draft_tokens=4)
+    return LLM("smollm2-135m", **TEST_ENGINE, draft_model=str(draft_folder), num_draft_tokens=DRAFT_TOKENS)
 
 
 def test_a_draft_takes_its_embedding_from_the_target(draft_folder):
@@ -115,10 +118,13 @@ def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2
 
 
 def test_the_target_as_its_own_draft_accepts_every_proposal(smollm2_llm):
-    spec = LLM("smollm2-135m", **TEST_ENGINE, draft_model="smollm2-135m", num_draft_tokens=3)
-    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS[:2], GREEDY)]
-    assert [o.token_ids for o in spec.generate_chat(CHATS[:2], GREEDY)] == expected
-    sampled = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.95, seed=3)
+    # One 8-token bucket: with a 30-layer draft every program is twice the target's size.
+    spec = LLM("smollm2-135m", **{**TEST_ENGINE, "token_buckets": (8,)}, draft_model="smollm2-135m",
+               num_draft_tokens=3)
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS[:2], greedy)]
+    assert [o.token_ids for o in spec.generate_chat(CHATS[:2], greedy)] == expected
+    sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=3)
     spec.generate_chat(CHATS[2:], sampled)
     proposed, accepted = spec_stats(spec)
     assert proposed > 0 and accepted == proposed
@@ -132,7 +138,7 @@ def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, t
                                           "token_buckets = [1, 8, 64]\n")
     proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"),
                            "--output", str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"),
-                           "--draft-model", str(draft_folder), "--num-draft-tokens", "3", "--stats-json",
+                           "--draft-model", str(draft_folder), "--num-draft-tokens", str(DRAFT_TOKENS), "--stats-json",
                            str(tmp_path / "stats.json"), "--no-progress"],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
