@@ -28,7 +28,7 @@ run: setup
 	$(BIN)/python -m jaxinfer.batch --model smollm2-135m --input examples/prompts.jsonl --output -
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
 
 lint: setup
 	$(BIN)/ruff check .

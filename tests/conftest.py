@@ -19,6 +19,21 @@ REPO = Path(__file__).resolve().parents[1]
 XLA_CACHE = REPO / ".cache" / "xla-tests"
 os.environ.setdefault("JAXINFER_COMPILATION_CACHE", str(XLA_CACHE))
 
+# `make test` runs the files on two xdist workers, a file at a time each (`--dist loadfile`), in
+# collection order (`--no-loadscope-reorder`). The longest files go first so that neither worker is
+# left alone with one of them at the end.
+LONGEST_FILES_FIRST = ("test_multihost.py", "test_spec_engine.py", "test_exec_engine.py", "test_lora.py",
+                       "test_spec.py", "test_kernel_sharding.py", "test_kv_tiers.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.path.name
+        return LONGEST_FILES_FIRST.index(name) if name in LONGEST_FILES_FIRST else len(LONGEST_FILES_FIRST)
+
+    items.sort(key=rank)  # stable: the order inside a file, and of the other files, is kept
+
+
 # Small bucket set for tests: every shape the engine can run is compiled once per session.
 TEST_ENGINE = dict(token_buckets=(1, 8, 64), max_seqs=8, page_size=8, num_pages=512, compile_guard="raise")
 
