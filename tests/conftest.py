@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -36,6 +37,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 # Small bucket set for tests: every shape the engine can run is compiled once per session.
 TEST_ENGINE = dict(token_buckets=(1, 8, 64), max_seqs=8, page_size=8, num_pages=512, compile_guard="raise")
+# What `exec_llm` adds: processor slots, and one adapter slot for the exec adapter.
+EXEC_ENGINE = dict(exec_slots=2, max_adapters=1)
+
+
+def engine_toml(**extra) -> str:
+    """TEST_ENGINE and `extra` as a config file's [engine] table, for tests that start a process: the
+    same settings give the same programs, which the process then finds in the compilation cache."""
+    settings = {**TEST_ENGINE, **extra}
+    return "[engine]\n" + "".join(f"{name} = {json.dumps(list(value) if isinstance(value, tuple) else value)}\n"
+                                   for name, value in settings.items())
 
 
 def smollm2_gguf() -> Path:
@@ -84,4 +95,4 @@ def exec_llm(files_root):
     """SmolLM2 with processor slots (and one adapter slot, for the exec adapter)."""
     from jaxinfer import LLM
 
-    return LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2, exec_files_root=str(files_root), max_adapters=1)
+    return LLM("smollm2-135m", **TEST_ENGINE, **EXEC_ENGINE, exec_files_root=str(files_root))

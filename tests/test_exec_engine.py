@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from conftest import EXEC_ENGINE, REPO, TEST_ENGINE, engine_toml
 
 from jaxinfer import LLM
 from jaxinfer.engine.params import SamplingParams
@@ -158,17 +159,14 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     import subprocess
     import sys
 
-    from conftest import REPO
-
     program = [*CHAT, {"special": "<|exec|>"}, SIX_TIMES_SEVEN, {"special": "<|/exec|>"}]
     lines = [{"id": "on", "prompt": program}, {"id": "off", "prompt": program, "exec": False}]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    # exec_llm's engine settings, so that the runner finds its programs in the compilation cache.
-    (tmp_path / "engine.toml").write_text(
-        "[engine]\ntoken_buckets = [1, 8, 64]\nmax_seqs = 8\npage_size = 8\nnum_pages = 512\nmax_adapters = 1\n")
+    (tmp_path / "engine.toml").write_text(engine_toml(**EXEC_ENGINE))
     proc = subprocess.run(
         [sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"), "--output",
-         str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"), "--exec", "--exec-slots", "2",
+         str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"),
+         "--exec", "--exec-slots", str(EXEC_ENGINE["exec_slots"]),  # the runner's default for --exec is 4
          "--max-tokens", "8", "--no-progress", "--stats-json", str(tmp_path / "stats.json")],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
@@ -296,9 +294,7 @@ def test_review_regressions_in_the_engine(exec_llm: LLM) -> None:
 def test_the_pallas_machine_loop_serves_programs_inside_the_step(exec_llm: LLM, files_root) -> None:
     """engine.exec_loop = "pallas": the GPU kernel of the machine (interpreted on the CPU) inside the
     jitted step gives the same generations as the CPU's single kernel, traces included."""
-    from conftest import TEST_ENGINE
-
-    pallas = LLM("smollm2-135m", **TEST_ENGINE, exec_slots=2, exec_files_root=str(files_root), max_adapters=1,
+    pallas = LLM("smollm2-135m", **TEST_ENGINE, **EXEC_ENGINE, exec_files_root=str(files_root),
                  exec_loop="pallas", exec_steps_per_step=64, exec_memory_pages=1)
     loop = ('(module (func (export "main") (result i64) (local i64 i32) (block (loop (br_if 1 (i32.ge_u '
             '(local.get 1) (i32.const 300))) (local.set 0 (i64.add (i64.mul (local.get 0) (i64.const 31)) '

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TEST_ENGINE
+from conftest import TEST_ENGINE, engine_toml
 from flax import nnx
 
 from jaxinfer import LLM, SamplingParams
@@ -134,8 +134,7 @@ def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, t
     lines = [{"id": i, "messages": chat, "max_tokens": 16} for i, chat in enumerate(CHATS[:2])]
     lines.append({"id": 2, "messages": CHATS[2], "max_tokens": 16, "num_draft_tokens": 0})
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    (tmp_path / "engine.toml").write_text("[engine]\npage_size = 8\nnum_pages = 512\nmax_seqs = 8\n"
-                                          "token_buckets = [1, 8, 64]\n")
+    (tmp_path / "engine.toml").write_text(engine_toml())
     proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"),
                            "--output", str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"),
                            "--draft-model", str(draft_folder), "--num-draft-tokens", str(DRAFT_TOKENS), "--stats-json",
