@@ -30,6 +30,7 @@ from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 LINE_FIELDS = {"id", "prompt", "messages", "adapter"} | SAMPLING_FIELDS
+DEFAULT_EXEC_SLOTS = 4  # processor slots when lines run programs and neither --exec-slots nor the config sets them
 
 
 @dataclass
@@ -71,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exec", action="store_true",
                    help="run the programs the model writes in <|exec|> blocks (the processor; per line: \"exec\")")
     p.add_argument("--exec-slots", type=int, default=None,
-                   help="processor slots in the step (default 4 when a line runs programs; 0: processor off)")
+                   help="processor slots in the step (default: the config's, else 4 when a line runs programs; "
+                        "0: processor off)")
     p.add_argument("--adapter", default="",
                    help="LoRA adapter for every line (registry name or folder; per line: \"adapter\")")
     p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0's coordination "
@@ -189,11 +191,12 @@ def _line_overrides(args: argparse.Namespace, jobs: list[Job], group: ProcessGro
         job.adapter = job.adapter or args.adapter
     if group.distributed:
         return overrides
-    if args.exec_slots is None and any(job.params.exec for job in jobs if job.params is not None):
-        overrides["exec_slots"] = 4  # some line runs programs (--exec, or its own "exec")
+    config = load_engine_config(args.config)
+    runs_programs = any(job.params.exec for job in jobs if job.params is not None)  # --exec, or a line's "exec"
+    if runs_programs and args.exec_slots is None and not config.exec_slots:
+        overrides["exec_slots"] = DEFAULT_EXEC_SLOTS
     adapters = _adapters_named(jobs)
     if adapters:  # every adapter the lines name is resident for the whole run, with those of the config
-        config = load_engine_config(args.config)
         preloaded = {parse_adapter_spec(spec)[0] for spec in config.adapters}
         overrides["max_adapters"] = max(len(set(adapters) | preloaded), config.max_adapters)
     return overrides

@@ -16,6 +16,10 @@ import numpy as np
 import pytest
 from conftest import REPO
 
+from jaxinfer.batch import DEFAULT_EXEC_SLOTS, _line_overrides, default_params, parse_args, read_jobs
+from jaxinfer.config import load_engine_config
+from jaxinfer.parallel.distributed import ProcessGroup
+
 MAX_TOKENS = 8
 ENGINE_TOML = """\
 [engine]
@@ -255,3 +259,25 @@ def test_missing_input_exits_nonzero_with_a_clear_message(tmp_path):
 def test_a_line_with_an_adapter_runs_with_it(records):
     by_id = {record["id"]: record for record in records}
     assert by_id["adapted"]["token_ids"] != by_id[42]["token_ids"]  # the same chat, without the adapter
+
+
+@pytest.mark.parametrize(("config_slots", "flag", "lines_run_programs", "expected"), [
+    (2, None, True, 2),  # the config's slots are kept
+    (0, None, True, DEFAULT_EXEC_SLOTS),  # the config has none: the runner's default
+    (2, "3", True, 3),  # the flag wins over the config
+    (0, "0", True, 0),  # an explicit 0 stays 0: exec lines then fail alone, naming exec_slots
+    (0, None, False, 0),  # no line runs programs: no processor
+    (2, None, False, 2),
+])
+def test_exec_slots_come_from_the_flag_then_the_config_then_the_default(
+        tmp_path, config_slots, flag, lines_run_programs, expected):
+    from io import StringIO
+
+    (tmp_path / "engine.toml").write_text(f"[engine]\nexec_slots = {config_slots}\n")
+    argv = ["--input", "-", "--output", "-", "--config", str(tmp_path / "engine.toml")]
+    argv += ["--exec"] if lines_run_programs else []
+    argv += ["--exec-slots", flag] if flag is not None else []
+    args = parse_args(argv)
+    jobs = read_jobs(StringIO(obj(id=1, prompt="hi") + "\n"), default_params(args))
+    overrides = _line_overrides(args, jobs, ProcessGroup.resolve(environ={}))
+    assert load_engine_config(args.config, **overrides).exec_slots == expected  # what the engine gets

@@ -166,7 +166,7 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"), "--output",
          str(tmp_path / "out.jsonl"), "--config", str(tmp_path / "engine.toml"),
-         "--exec", "--exec-slots", str(EXEC_ENGINE["exec_slots"]),  # the runner's default for --exec is 4
+         "--exec",  # the config's exec_slots, not the runner's default of 4: exec_llm's compiled shapes
          "--max-tokens", "8", "--no-progress", "--stats-json", str(tmp_path / "stats.json")],
         cwd=REPO, env=dict(os.environ), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
