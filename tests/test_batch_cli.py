@@ -14,19 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, engine_toml
 
 from jaxinfer.batch import DEFAULT_EXEC_SLOTS, _line_overrides, default_params, parse_args, read_jobs
 from jaxinfer.config import load_engine_config
 from jaxinfer.parallel.distributed import ProcessGroup
 
 MAX_TOKENS = 8
-ENGINE_TOML = """\
-[engine]
-token_buckets = [1, 8, 64]
-max_seqs = 8
-num_pages = 256
-"""
 
 
 def obj(**fields) -> str:
@@ -88,7 +82,7 @@ def batch(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("batch")
-    (root / "engine.toml").write_text(ENGINE_TOML)
+    (root / "engine.toml").write_text(engine_toml())
     write_random_adapter(root / "lora")
     lines = "".join(text.replace(ADAPTER_DIR, str(root / "lora")) + "\n" for text, _ in LINES)
     (root / "in.jsonl").write_text(lines, encoding="utf-8")

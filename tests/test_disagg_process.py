@@ -14,6 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import engine_toml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from jaxinfer import SamplingParams
@@ -26,20 +27,11 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 SYSTEM = "You are the harbour master's assistant. Answer briefly about ships, tides and the weather. " * 2
 
-ENGINE = """
-[engine]
-page_size = 8
-num_pages = 512
-max_seqs = 8
-token_buckets = [1, 8, 64]
-compile_guard = "raise"
-kv_store = "{store}"
-"""
 
 
 def start(tmp_path: Path, name: str, serve: str, store: Path) -> tuple[subprocess.Popen, str, int | None]:
     config = tmp_path / f"{name}.toml"
-    config.write_text(f'[serve]\nhost = "127.0.0.1"\nport = 0\n{serve}\n' + ENGINE.format(store=store))
+    config.write_text(f'[serve]\nhost = "127.0.0.1"\nport = 0\n{serve}\n' + engine_toml(kv_store=str(store)))
     proc = subprocess.Popen([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
     listening = json.loads(proc.stdout.readline())  # printed once bound, before the model loads

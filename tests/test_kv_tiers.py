@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+from conftest import engine_toml
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.engine import Engine
@@ -101,13 +102,13 @@ def test_batch_runs_share_prefix_pages_through_the_store(tmp_path):
     lines = [{"id": i, "prompt": SYSTEM + question, "max_tokens": 6}
              for i, question in enumerate(["When is low tide?", "Why is the lamp red?"])]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    engine_toml = tmp_path / "engine.toml"
-    engine_toml.write_text("[engine]\npage_size = 8\nnum_pages = 512\nmax_seqs = 8\ntoken_buckets = [1, 8, 64]\n")
+    config = tmp_path / "engine.toml"
+    config.write_text(engine_toml())
 
     def run(name: str) -> tuple[list[dict], dict]:
         out, stats = tmp_path / f"{name}.jsonl", tmp_path / f"{name}.stats.json"
         proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--input", str(tmp_path / "in.jsonl"),
-                               "--output", str(out), "--config", str(engine_toml), "--kv-store",
+                               "--output", str(out), "--config", str(config), "--kv-store",
                                str(tmp_path / "kv"), "--stats-json", str(stats), "--no-progress"],
                               cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-3000:]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import engine_toml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from serving.client import InferenceClient
@@ -27,13 +28,7 @@ port = 0
 metrics_port = -1
 grace_seconds = 60
 
-[engine]
-page_size = 8
-num_pages = 512
-max_seqs = 8
-token_buckets = [1, 8, 64]
-compile_guard = "raise"
-"""
+""" + engine_toml()
 
 
 def health(target: str) -> int | None:
