@@ -74,6 +74,25 @@ def test_no_compile_after_warmup_across_random_workload(smollm2_llm):
     assert compiles == []
 
 
+def test_steps_copy_to_and_from_the_device_only_explicitly(smollm2_llm, alone):
+    """A step sends its inputs in one `device_put` and fetches its ids with `device_get`: no numpy array
+    or Python scalar reaches a compiled program implicitly, where it would be a hidden copy and sync.
+    The CPU platform guards copies to the device; an accelerator guards both directions."""
+    texts = list(alone)
+    sampled = [SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5),
+               SamplingParams(max_tokens=8, temperature=0.7, top_k=5, min_p=0.05, seed=1, logprobs=True)]
+    params = [GREEDY, *sampled] * (len(texts) // 3)
+    expected = [o.token_ids for o in smollm2_llm.generate(texts, params)]
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len)
+    with jax.transfer_guard("disallow"):
+        cached = smollm2_llm.generate(texts, params)  # the prompts' pages now come from the prefix cache
+        with engine.pool.hold(keep_free=21):  # and here sequences are preempted and recomputed
+            preempted = engine.generate([smollm2_llm.request(t, p) for t, p in zip(texts, params, strict=True)])
+    assert [o.token_ids for o in cached] == expected and sum(o.usage.cached_tokens for o in cached) > 0
+    assert [o.token_ids for o in preempted] == expected and engine.stats.preemptions > 0
+    assert engine.pool.num_free == engine.pool.capacity
+
+
 def test_compile_guard_raises_for_an_unwarmed_bucket(smollm2_llm):
     runner = smollm2_llm.runner
     executable = runner._executables.pop(64)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 from conftest import EXEC_ENGINE, REPO, TEST_ENGINE, engine_toml
@@ -305,3 +306,18 @@ def test_the_pallas_machine_loop_serves_programs_inside_the_step(exec_llm: LLM, 
     expected = [out.text for out in exec_llm.generate(prompts, params)]
     assert [out.text for out in pallas.generate(prompts, params)] == expected
     assert expected[0].startswith("<|result|>42") and "<|result|>" in expected[1]
+
+
+def test_programs_reach_and_leave_the_device_only_by_explicit_copies(exec_llm: LLM, files_root) -> None:
+    """Loading a program, serving its system calls, reading its trace and keeping its session memory
+    copy host arrays with `device_put` and `device_get` only (see the engine's transfer-guard test)."""
+    files = greedy(max_tokens=16, exec=True, exec_files=("numbers.txt", "copy.txt"), exec_session="guarded")
+    requests = [exec_llm.request(exec_prompt(COPY_AND_PRINT), files),
+                exec_llm.request(exec_prompt(COUNT_TO_THREE), greedy(max_tokens=200, exec=True, exec_trace="full"))]
+    with jax.transfer_guard("disallow"):
+        wasi, traced = exec_llm.engine.generate([dataclasses.replace(r, tenant="acme") for r in requests])
+        stored = exec_llm.generate([exec_prompt(STORE_TURN)], greedy(exec=True, exec_session="guarded"))[0]
+        loaded = exec_llm.generate([exec_prompt(LOAD_TURN)], greedy(exec=True, exec_session="guarded"))[0]
+    assert wasi.text.startswith("<|result|>4\n40 2<|/result|>")
+    assert len(traced.text.split("<|/result|>")[0].splitlines()) == 1 + 11
+    assert stored.text.startswith("<|result|>1<|/result|>") and loaded.text.startswith("<|result|>1234<|/result|>")

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 from conftest import engine_toml
 
@@ -46,14 +47,16 @@ def test_evicted_pages_restore_from_l2_and_l3_with_identical_outputs(smollm2_llm
     tiers = TieredPages(HostTier(capacity=2), PageStore(str(tmp_path), identity(smollm2_llm)))
     engine = engine_on(smollm2_llm, tiers=tiers)
     assert engine.generate([request])[0].token_ids == reference.token_ids
-    evict_everything(engine)
+    with jax.transfer_guard("disallow"):  # pages leave and come back by explicit copies (see test_engine.py)
+        evict_everything(engine)
     assert len(tiers.host) == 2 and tiers.stats.demoted_l3 >= full_pages - 2
     keys = chain_keys(request.prompt_ids, smollm2_llm.config.page_size)
     in_host = [tiers.host.get(key) for key in keys[full_pages - 2 : full_pages]]
     # L2 holds the copy program's own output, in pinned host memory (which the CPU platform has too).
     assert all(isinstance(page, HostPage) and page.group.sharding.memory_kind == "pinned_host" for page in in_host)
     computed_before = engine.stats.prompt_tokens_computed
-    again = engine.generate([request])[0]
+    with jax.transfer_guard("disallow"):
+        again = engine.generate([request])[0]
     assert again.token_ids == reference.token_ids
     page = smollm2_llm.config.page_size
     assert engine.stats.prefix_hit_tokens_l2 == 2 * page
@@ -191,7 +194,8 @@ def test_a_damaged_stored_page_is_recomputed_not_used(smollm2_llm, tmp_path):
     raw[-7] ^= 0xFF  # one flipped byte in the page's data
     damaged.write_bytes(bytes(raw))
     computed_before = engine.stats.prompt_tokens_computed
-    again = engine.generate([request])[0]
+    with jax.transfer_guard("disallow"):
+        again = engine.generate([request])[0]
     assert again.token_ids == reference.token_ids
     assert store.stats.corrupt == 1 and engine.stats.prefix_hit_tokens_l3 == 2 * page  # the chain stops there
     assert engine.stats.prompt_tokens_computed - computed_before == len(request.prompt_ids) - 2 * page

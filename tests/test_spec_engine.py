@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import pytest
 from conftest import TEST_ENGINE, engine_toml
 from flax import nnx
@@ -115,6 +116,17 @@ def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2
         got = [o.token_ids for o in truncated_draft.generate_chat(CHATS, long)]
     assert got == expected and engine.stats.preemptions > preempted
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_speculative_rounds_copy_to_and_from_the_device_only_explicitly(truncated_draft):
+    """Proposals, verification and rejection sampling use explicit copies only (see the engine's
+    transfer-guard test): greedy and seeded sampled outputs match an unguarded run."""
+    params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7)] * 2
+    expected = [o.token_ids for o in truncated_draft.generate_chat(CHATS, params)]
+    proposed = spec_stats(truncated_draft)[0]
+    with jax.transfer_guard("disallow"):
+        got = [o.token_ids for o in truncated_draft.generate_chat(CHATS, params)]
+    assert got == expected and spec_stats(truncated_draft)[0] > proposed
 
 
 def test_the_target_as_its_own_draft_accepts_every_proposal(smollm2_llm):

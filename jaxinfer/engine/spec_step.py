@@ -54,7 +54,7 @@ class VerifyResult:
     logprobs: jax.Array  # [S, K+1]
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        return np.asarray(self.tokens), np.asarray(self.counts), np.asarray(self.logprobs)
+        return jax.device_get((self.tokens, self.counts, self.logprobs))
 
 
 def _pad_rows(x: jax.Array, rows: int) -> jax.Array:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
+import jax
 
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.scheduler import Scheduler
@@ -107,7 +107,7 @@ class Speculator:
             batch.seq_rows[len(rows) :] = len(rows) - 1
             previous = self.spec.propose(batch, previous)
             plan.proposals.append(previous)
-            tokens, confidence = np.asarray(previous.tokens), np.asarray(previous.confidence)
+            tokens, confidence = jax.device_get((previous.tokens, previous.confidence))
             for j in range(len(rows)):
                 if active[j] and i < plan.budgets[j] and confidence[j] >= self.confidence:
                     plan.drafts[j].append(int(tokens[j]))

@@ -131,11 +131,12 @@ class StepResult:
     number: int = -1  # dispatch order on its runner (followers of a process group replay by it)
 
     def fetch_exec(self) -> ExecReport | None:
-        return None if self.exec_report is None else ExecReport(*(np.asarray(part) for part in self.exec_report))
+        return None if self.exec_report is None else ExecReport(*jax.device_get(tuple(self.exec_report)))
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray]:
         """Waits for the step and returns (sampled token per row, its logprob) on the host."""
-        return np.asarray(self.tokens)[: self.rows], np.asarray(self.logprobs)[: self.rows]
+        tokens, logprobs = jax.device_get((self.tokens, self.logprobs))  # explicit: allowed by a transfer guard
+        return tokens[: self.rows], logprobs[: self.rows]
 
 
 def _step(graphdef, state, caches, prev_tokens: jax.Array, packed: PackedInputs, machine=None, code=None, *,
@@ -183,7 +184,7 @@ def host_pages(groups: list[jax.Array]) -> list[HostPage]:
     """The pages of `export_pages`' groups, in order (padding rows included), as host pages.
 
     Without pinned host memory the copies are device arrays: they become numpy copies here."""
-    groups = [g if g.sharding.memory_kind == "pinned_host" else np.asarray(g) for g in groups]
+    groups = [g if g.sharding.memory_kind == "pinned_host" else jax.device_get(g) for g in groups]
     return [HostPage(group, row) for group in groups for row in range(TIER_CHUNK)]
 
 

@@ -82,7 +82,7 @@ def _stop(state: machine.MachineState, slot: jax.Array) -> machine.MachineState:
 
 class ExecUnit:
     def __init__(self, shape: machine.MachineShape, steps_per_step: int, sharding: jax.sharding.Sharding) -> None:
-        self.shape, self.steps = shape, steps_per_step
+        self.shape, self.steps, self.sharding = shape, steps_per_step, sharding
         self.state = jax.device_put(machine.empty_state(shape), sharding)
         self.code = jax.device_put(jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32), sharding)
         self._load = jax.jit(_load, donate_argnums=(0, 1))
@@ -90,6 +90,9 @@ class ExecUnit:
         self._alone = jax.jit(functools.partial(advance_in_step, steps=steps_per_step * ALONE_FACTOR, shape=shape),
                               donate_argnums=(0,))
         self._stop = jax.jit(_stop, donate_argnums=(0,))
+        # Reads take the slot as an argument: one program per array, whatever the slot.
+        self._read_row = jax.jit(lambda array, slot: array[slot])
+        self._read_scalars = jax.jit(lambda state, slot: machine.pack_scalars(state)[slot])
         self.free = list(range(shape.slots))
         # How a change to the machine state runs: at once here; in a process group's leader it is
         # first sent to the followers (ModelRunner._replicated), which apply it with `apply_call`.
@@ -129,34 +132,46 @@ class ExecUnit:
         self.replicate(lambda: self._load_image(slot, arrays), "exec_load", {"slot": slot}, arrays)
 
     def _load_image(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
-        self.state, self.code = self._load(self.state, self.code, np.int32(slot), arrays["code"],
-                                           arrays["registers"], arrays["memory"], arrays["scalars"])
+        inputs = self._sent(np.int32(slot), arrays["code"], arrays["registers"], arrays["memory"], arrays["scalars"])
+        self.state, self.code = self._load(self.state, self.code, *inputs)
 
-    def _local_state(self) -> machine.MachineState:
-        """The state as this process's first device holds it (replicated): reads need no other process."""
-        return jax.tree.map(lambda array: array.addressable_data(0), self.state)
+    def _sent(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
+        """Host arrays on the state's devices, in one explicit copy (no implicit transfer at the call)."""
+        return tuple(jax.device_put(arrays, self.sharding))
+
+    def _local(self, slot: int) -> tuple[machine.MachineState, jax.Array]:
+        """The state as this process's first device holds it (replicated: reads need no other process),
+        and the slot's index sent there explicitly."""
+        state = jax.tree.map(lambda array: array.addressable_data(0), self.state)
+        return state, jax.device_put(np.int32(slot), state.status.sharding)
 
     def scalars(self, slot: int) -> np.ndarray:
-        """A slot's scalars on the host (one transfer)."""
-        return np.array(machine.pack_scalars(self._local_state())[slot])
+        """A slot's scalars on the host (one transfer), writable: system calls change them."""
+        return np.array(jax.device_get(self._read_scalars(*self._local(slot))))
 
     def memory(self, slot: int) -> np.ndarray:
-        return np.array(self.state.memory.addressable_data(0)[slot])
+        state, index = self._local(slot)
+        return np.array(jax.device_get(self._read_row(state.memory, index)))
 
     def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """A slot's scalars, registers and memory on the host (to serve its system call)."""
-        return self.scalars(slot), np.array(self.state.registers.addressable_data(0)[slot]), self.memory(slot)
+        state, index = self._local(slot)
+        parts = (self._read_scalars(state, index), self._read_row(state.registers, index),
+                 self._read_row(state.memory, index))
+        return tuple(np.array(part) for part in jax.device_get(parts))
 
     def trace_rows(self, slot: int, count: int) -> np.ndarray:
         """The first ``count`` trace rows of a slot (pc, op, value low, value high)."""
-        return np.asarray(self.state.trace.addressable_data(0)[slot, : min(count, self.shape.trace_entries)])
+        state, index = self._local(slot)
+        return jax.device_get(self._read_row(state.trace, index))[: min(count, self.shape.trace_entries)]
 
     def resume(self, slot: int, scalars: np.ndarray, registers: np.ndarray, memory: np.ndarray) -> None:
         arrays = {"scalars": scalars, "registers": registers, "memory": memory}
         self.replicate(lambda: self._resume(slot, arrays), "exec_resume", {"slot": slot}, arrays)
 
     def _resume(self, slot: int, arrays: dict[str, np.ndarray]) -> None:
-        self.state = self._write(self.state, np.int32(slot), arrays["registers"], arrays["memory"], arrays["scalars"])
+        self.state = self._write(self.state, *self._sent(np.int32(slot), arrays["registers"], arrays["memory"],
+                                                          arrays["scalars"]))
 
     def run_alone(self) -> ExecReport:
         """Advances the slots without a model step (nothing else to compute); returns the report."""
@@ -188,6 +203,7 @@ class ExecUnit:
         self._load_image(0, {"code": idle.code, "registers": idle.registers, "memory": idle.memory,
                              "scalars": idle.scalars})
         scalars, registers, memory = self.read(0)
+        self.trace_rows(0, 0)
         self._resume(0, {"scalars": scalars, "registers": registers, "memory": memory})
         self._stop_slot(0)
         jax.block_until_ready(self._run_alone())
@@ -196,4 +212,4 @@ class ExecUnit:
         self.replicate(lambda: self._stop_slot(slot), "exec_stop", {"slot": slot})
 
     def _stop_slot(self, slot: int) -> None:
-        self.state = self._stop(self.state, np.int32(slot))
+        self.state = self._stop(self.state, *self._sent(np.int32(slot)))
