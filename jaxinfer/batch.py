@@ -24,6 +24,7 @@ from jaxinfer.config import load_engine_config
 from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
+from jaxinfer.engine.xla_compiles import XLA_COMPILES
 from jaxinfer.errors import CheckpointError, JaxinferError, RequestError
 from jaxinfer.parallel.distributed import ProcessGroup, initialize
 from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
@@ -210,7 +211,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
     adapters = _adapters_named(jobs)
     if adapters and llm.config.max_adapters:
         _load_adapters(llm, jobs, adapters)
-    start = time.perf_counter()
+    start, compiles_at_start = time.perf_counter(), XLA_COMPILES.mark()
     engine, job_of = llm.engine, {}
     for job in jobs:
         request = to_request(llm, job) if job.error is None else None
@@ -229,6 +230,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
     outputs = list(results.values())
     wall = time.perf_counter() - start
     engine.persist_prefix_cache()  # with an L3 store, a later run reuses this run's prefix pages
+    compiles = XLA_COMPILES.since(compiles_at_start)
     _write_output(args.output, jobs, results)
     completion = sum(o.usage.completion_tokens for o in outputs)
     metrics = llm.engine.metrics()
@@ -252,6 +254,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
         "spec_accepted": llm.engine.stats.spec_accepted,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),
+        "compiles_after_warmup": compiles,  # XLA programs of any kind compiled (or loaded) during the run
         "model": str(args.model),
     }
 
@@ -333,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({summary['tokens_per_s']:.1f} tokens/s)",
         file=sys.stderr,
     )
+    if summary["compiles_after_warmup"]:  # each one stalled the run; the warm-up should have made it
+        print(f"warning: {summary['compiles_after_warmup']} XLA programs compiled after warm-up", file=sys.stderr)
     if args.stats_json:
         Path(args.stats_json).write_text(json.dumps(summary) + "\n")
     return 0

@@ -158,3 +158,4 @@ def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, t
     assert [o["token_ids"] for o in outputs] == [e.token_ids for e in expected]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["spec_proposed"] > 0 and 0 <= stats["spec_accepted"] <= stats["spec_proposed"], stats
+    assert stats["compiles_after_warmup"] == 0

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -68,10 +69,17 @@ def exact(n: int):
     return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0)
 
 
-def fresh_engine(llm, **flags):
-    from jaxinfer.engine.engine import Engine
+_COMPILE_MARKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> XLA compile count at its start
 
-    return Engine(llm.runner, llm.tokenizer, llm.max_model_len, **flags)
+
+def fresh_engine(llm, **flags):
+    """A new engine on the loaded model's runner; `step_summary` counts the XLA compiles from here."""
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.engine.xla_compiles import XLA_COMPILES
+
+    engine = Engine(llm.runner, llm.tokenizer, llm.max_model_len, **flags)
+    _COMPILE_MARKS[engine] = XLA_COMPILES.mark()
+    return engine
 
 
 def timed_generate(engine, requests) -> tuple[float, list]:
@@ -81,10 +89,13 @@ def timed_generate(engine, requests) -> tuple[float, list]:
 
 
 def step_summary(engine) -> dict:
+    from jaxinfer.engine.xla_compiles import XLA_COMPILES
+
     m = engine.metrics()
     return dict(steps=m["steps"], tokens_per_step=round(m["tokens_per_step"], 1), step_ms=round(m["step_ms"], 1),
                 host_ms_per_step=round(m["host_ms_per_step"], 2), host_fraction=round(m["host_fraction"], 4),
-                discarded_samples=m["discarded_samples"], compiles_after_warmup=engine.runner.compiles_after_warmup)
+                discarded_samples=m["discarded_samples"], compiles_after_warmup=engine.runner.compiles_after_warmup,
+                xla_compiles=XLA_COMPILES.since(_COMPILE_MARKS[engine]))
 
 
 def run_peer(command: list[str]) -> list[dict]:

@@ -146,11 +146,13 @@ def bench_offline(llm, requests: int, in_len: int, out_len: int, args: argparse.
 
 def host_share(engine) -> dict:
     """The run's steps, host milliseconds per step (scheduling, building and dispatching, reading back)
-    and compiles after warm-up."""
+    and compiles after warm-up: the step programs the runner compiled, and every XLA compile since the
+    engine was made."""
     from bench import step_summary
 
     summary = step_summary(engine)
-    return {key: summary[key] for key in ("steps", "host_ms_per_step", "host_fraction", "compiles_after_warmup")}
+    keys = ("steps", "host_ms_per_step", "host_fraction", "compiles_after_warmup", "xla_compiles")
+    return {key: summary[key] for key in keys}
 
 
 def offline_spec(text: str) -> tuple[int, int, int]:

@@ -201,6 +201,7 @@ class ModelRunner:
         self.pool = PrefixCachingPool(cfg.num_pages)
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self.replicated)
+        self.no_logprobs = jax.device_put(np.zeros(cfg.max_seqs, np.float32), self.replicated)
         exec_steps = cfg.exec_steps_on(mesh.devices.flat[0].platform)
         self.exec_unit = (ExecUnit(cfg.exec_machine_shape, exec_steps, self.replicated)
                           if cfg.exec_slots else None)
@@ -412,7 +413,7 @@ class ModelRunner:
         exec_report = self.exec_unit.run_alone()
         for part in exec_report:
             part.copy_to_host_async()
-        return StepResult(self.no_tokens, self.no_tokens.astype(jnp.float32), 0, exec_report)
+        return StepResult(self.no_tokens, self.no_logprobs, 0, exec_report)
 
     def _exec_args(self) -> tuple:
         """The processor's machine state and code, when the step carries them."""
