@@ -251,6 +251,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
         "spec_proposed": llm.engine.stats.spec_proposed,
         "exec_programs": llm.engine.stats.exec_programs,
         "exec_traps": llm.engine.stats.exec_traps,
+        "exec_idle_steps": llm.engine.stats.exec_idle_steps,
         "spec_accepted": llm.engine.stats.spec_accepted,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),

@@ -26,6 +26,9 @@ CHAT = [{"special": "<|im_start|>"}, "user\nWhat is 6 times 7?", {"special": "<|
         {"special": "<|im_start|>"}, "assistant\n"]
 
 
+SPIN = '(module (func (export "main") (loop $l (br $l))))'  # runs until its fuel or time runs out
+
+
 def exec_prompt(program: str) -> list:
     return [*CHAT, {"special": "<|exec|>"}, program, {"special": "<|/exec|>"}]
 
@@ -68,9 +71,8 @@ def test_traps_errors_and_results_are_written_back(exec_llm: LLM, program: str, 
 
 
 def test_limits_per_request(exec_llm: LLM) -> None:
-    spin = '(module (func (export "main") (loop $l (br $l))))'
     grow = '(module (memory 1) (func (export "main") (result i32) (memory.grow (i32.const 2))))'
-    fuel, timeout, memory, room = exec_llm.generate([exec_prompt(spin), exec_prompt(spin), exec_prompt(grow),
+    fuel, timeout, memory, room = exec_llm.generate([exec_prompt(SPIN), exec_prompt(SPIN), exec_prompt(grow),
                                                      exec_prompt(grow)], [
         greedy(exec=True, exec_max_instructions=1000), greedy(exec=True, exec_timeout_seconds=0.3),
         greedy(exec=True, exec_memory_pages=2), greedy(exec=True)])
@@ -103,9 +105,8 @@ def test_requests_alongside_a_program_are_unchanged(exec_llm: LLM) -> None:
 
 def test_abort_while_a_program_runs_frees_its_slot_and_pages(exec_llm: LLM) -> None:
     engine = exec_llm.engine
-    spin = '(module (func (export "main") (loop $l (br $l))))'
     free_pages = engine.pool.num_free
-    request = exec_llm.request(exec_prompt(spin), greedy(exec=True), "spin")
+    request = exec_llm.request(exec_prompt(SPIN), greedy(exec=True), "spin")
     seq = engine.add_request(request)
     for _ in range(3):
         engine.step()
@@ -161,7 +162,9 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     import sys
 
     program = [*CHAT, {"special": "<|exec|>"}, SIX_TIMES_SEVEN, {"special": "<|/exec|>"}]
-    lines = [{"id": "on", "prompt": program}, {"id": "off", "prompt": program, "exec": False}]
+    spin = [*CHAT, {"special": "<|exec|>"}, SPIN, {"special": "<|/exec|>"}]
+    lines = [{"id": "on", "prompt": program}, {"id": "off", "prompt": program, "exec": False},
+             {"id": "spin", "prompt": spin, "exec_max_instructions": 200_000}]  # outlasts the others
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "engine.toml").write_text(engine_toml(**EXEC_ENGINE))
     proc = subprocess.run(
@@ -174,8 +177,11 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     outputs = {record["id"]: record for record in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
     assert outputs["on"]["text"].startswith("<|result|>42<|/result|>")
     assert "<|result|>" not in outputs["off"]["text"]
+    assert outputs["spin"]["text"].startswith("<|trap|>fuel exhausted<|/trap|>")
     stats = json.loads((tmp_path / "stats.json").read_text())
-    assert stats["exec_programs"] == 1 and stats["compiles_after_warmup"] == 0
+    assert stats["exec_programs"] == 2 and stats["exec_traps"] == 1
+    assert stats["exec_idle_steps"] > 0  # steps that ran the machine alone, with nothing else to compute
+    assert stats["compiles_after_warmup"] == 0
 
 
 def test_grpc_exec_field_streams_the_result(exec_llm: LLM) -> None:
