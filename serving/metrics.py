@@ -17,16 +17,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class EngineCollector(Collector):
-    """Turns `Engine.metrics()` (and the runner's compile count) into Prometheus families at scrape time."""
+    """Turns `Engine.metrics()` (and the compile counts) into Prometheus families at scrape time."""
 
-    def __init__(self, read: Callable[[], tuple[dict[str, float], int] | None]):
+    def __init__(self, read: Callable[[], tuple[dict[str, float], int, int] | None]):
         self._read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         snapshot = self._read()
         if snapshot is None:  # still loading
             return
-        m, compiles = snapshot
+        m, compiles, compiles_while_serving = snapshot
         gauges = {
             "jaxinfer_queue_length": ("requests waiting for admission", m["waiting"]),
             "jaxinfer_running_sequences": ("sequences in the running batch", m["running"]),
@@ -46,6 +46,8 @@ class EngineCollector(Collector):
             "jaxinfer_engine_steps": ("engine steps run", m["steps"]),
             "jaxinfer_prefix_cache_hit_tokens": ("prompt tokens served by the prefix cache", m["prefix_hit_tokens"]),
             "jaxinfer_compiles": ("step executables compiled (warm-up included)", compiles),
+            "jaxinfer_xla_compiles_while_serving": ("XLA programs of any kind compiled since serving began "
+                                                    "(0 when warm-up covered everything)", compiles_while_serving),
             "jaxinfer_spec_proposed_tokens": ("draft tokens proposed for verification", m["spec_proposed"]),
             "jaxinfer_spec_accepted_tokens": ("draft tokens the target accepted", m["spec_accepted"]),
         }
@@ -83,7 +85,7 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, read_engine: Callable[[], tuple[dict[str, float], int] | None]):
+    def __init__(self, read_engine: Callable[[], tuple[dict[str, float], int, int] | None]):
         self.registry = CollectorRegistry()
         self.requests = Counter("jaxinfer_requests", "Generate requests by final status", ["status"],
                                 registry=self.registry)

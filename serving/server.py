@@ -23,6 +23,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from jaxinfer.config import EngineConfig, load_engine_config
+from jaxinfer.engine.xla_compiles import XLA_COMPILES
 from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
 from jaxinfer.parallel.distributed import ProcessGroup
@@ -117,6 +118,7 @@ class InferenceServer:
         prefills = config.role == "prefill"
         self.prefill = PrefillService(self.service.admit_call, lambda: self.worker) if prefills else None
         self.worker: EngineWorker | None = None
+        self._compiles_at_serving = 0  # XLA_COMPILES when serving began
         self._server: grpc.aio.Server | None = None  # created in `start`, on the serving event loop
         self.port = 0
         self.metrics_port: int | None = None
@@ -150,10 +152,10 @@ class InferenceServer:
                  self.port, self.config.role, "on" if self.config.tls_cert else "off", auth, self.metrics_port)
         return self.port
 
-    def _engine_snapshot(self) -> tuple[dict[str, float], int] | None:
+    def _engine_snapshot(self) -> tuple[dict[str, float], int, int] | None:
         if self.worker is None:
             return None
-        return self.worker.engine.metrics(), self.llm.num_compiles
+        return self.worker.engine.metrics(), self.llm.num_compiles, XLA_COMPILES.since(self._compiles_at_serving)
 
     async def load(self) -> None:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
@@ -164,6 +166,7 @@ class InferenceServer:
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = self.llm.new_engine()
         self.worker = EngineWorker(engine, self.config.max_queued)
+        self._compiles_at_serving = XLA_COMPILES.mark()
         self.worker.start()
         self.service.attach(self.llm, self.worker)
         for service in ("", SERVICE_NAME):

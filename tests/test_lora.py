@@ -19,6 +19,7 @@ from harness import PagedForward
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.adapters import AdapterSlots
+from jaxinfer.engine.xla_compiles import XLA_COMPILES
 from jaxinfer.errors import CheckpointError, RequestError
 from jaxinfer.layers.lora import LORA_TARGETS
 from jaxinfer.weights.adapter_file import SAFETENSORS_FILE, read_adapter, save_adapter
@@ -117,7 +118,7 @@ def test_prefix_cache_is_per_adapter(lora_llm):
 
 
 def test_load_unload_at_run_time_without_recompiling(lora_llm, hf_model, adapters, tmp_path):
-    compiles = lora_llm.runner.num_compiles
+    compiles, xla_compiles = lora_llm.runner.num_compiles, XLA_COMPILES.mark()
     with pytest.raises(RequestError, match="max_adapters"):
         lora_llm.load_adapter("c", str(tmp_path))
     lora_llm.unload_adapter("b")
@@ -130,6 +131,7 @@ def test_load_unload_at_run_time_without_recompiling(lora_llm, hf_model, adapter
     (out,) = lora_llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0), adapter="c")
     assert out.finish_reason in ("stop", "length")
     assert lora_llm.runner.num_compiles == compiles and lora_llm.runner.compiles_after_warmup == 0
+    assert XLA_COMPILES.since(xla_compiles) == 0  # nor any other program: loading an adapter writes its slot
     lora_llm.unload_adapter("c")
     lora_llm.load_adapter("b", str(adapters / "b"))
 

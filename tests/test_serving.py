@@ -236,6 +236,7 @@ def sample_value(text: str, name: str) -> float:
 def test_prometheus_metrics_count_requests_latency_and_engine_state(server, client):
     before = scrape(server.server.metrics_port)
     ok_before = sample_value(before, 'jaxinfer_requests_total{status="ok"}')
+    compiled_before = sample_value(before, "jaxinfer_xla_compiles_while_serving_total")
     for _ in range(2):
         client.generate("Hello there", max_tokens=3, temperature=0.0, ignore_eos=True)
     with pytest.raises(grpc.RpcError):
@@ -248,6 +249,7 @@ def test_prometheus_metrics_count_requests_latency_and_engine_state(server, clie
     assert sample_value(text, "jaxinfer_generation_tokens_total") >= 6
     assert sample_value(text, "jaxinfer_kv_pages_total") == server.server.llm.runner.pool.capacity
     assert sample_value(text, "jaxinfer_compiles_total") == server.server.llm.runner.num_compiles
+    assert sample_value(text, "jaxinfer_xla_compiles_while_serving_total") == compiled_before  # nothing compiled
     for name in ("jaxinfer_queue_length", "jaxinfer_running_sequences", "jaxinfer_kv_pages_used",
                  "jaxinfer_prefix_cache_hit_rate", "jaxinfer_preemptions_total", "jaxinfer_step_seconds_mean",
                  "jaxinfer_forged_tokens_downgraded_total"):
