@@ -73,8 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exec", action="store_true",
                    help="run the programs the model writes in <|exec|> blocks (the processor; per line: \"exec\")")
     p.add_argument("--exec-slots", type=int, default=None,
-                   help="processor slots in the step (default: the config's, else 4 when a line runs programs; "
-                        "0: processor off)")
+                   help="processor slots in the step (default: the config's, else 4 when a line runs programs in a "
+                        "single process; 0: processor off)")
     p.add_argument("--adapter", default="",
                    help="LoRA adapter for every line (registry name or folder; per line: \"adapter\")")
     p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0's coordination "
@@ -192,7 +192,7 @@ def _line_overrides(args: argparse.Namespace, jobs: list[Job], group: ProcessGro
         job.adapter = job.adapter or args.adapter
     if group.distributed:
         return overrides
-    config = load_engine_config(args.config)
+    config = load_engine_config(args.config, **overrides)
     runs_programs = any(job.params.exec for job in jobs if job.params is not None)  # --exec, or a line's "exec"
     if runs_programs and args.exec_slots is None and not config.exec_slots:
         overrides["exec_slots"] = DEFAULT_EXEC_SLOTS
@@ -255,7 +255,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
         "spec_accepted": llm.engine.stats.spec_accepted,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),
-        "compiles_after_warmup": compiles,  # XLA programs of any kind compiled (or loaded) during the run
+        "xla_compiles_after_warmup": compiles,  # XLA programs of any kind compiled (or loaded) during the run
         "model": str(args.model),
     }
 
@@ -337,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         f"({summary['tokens_per_s']:.1f} tokens/s)",
         file=sys.stderr,
     )
-    if summary["compiles_after_warmup"]:  # each one stalled the run; the warm-up should have made it
-        print(f"warning: {summary['compiles_after_warmup']} XLA programs compiled after warm-up", file=sys.stderr)
+    if summary["xla_compiles_after_warmup"]:  # each one stalled the run; warm-up should have made it
+        print(f"warning: {summary['xla_compiles_after_warmup']} XLA programs compiled after warm-up", file=sys.stderr)
     if args.stats_json:
         Path(args.stats_json).write_text(json.dumps(summary) + "\n")
     return 0

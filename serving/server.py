@@ -165,8 +165,8 @@ class InferenceServer:
         # The worker's own engine: only its thread steps it. It shares the runner (device caches, page
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = self.llm.new_engine()
+        self._compiles_at_serving = XLA_COMPILES.mark()  # before a scrape can see the worker
         self.worker = EngineWorker(engine, self.config.max_queued)
-        self._compiles_at_serving = XLA_COMPILES.mark()
         self.worker.start()
         self.service.attach(self.llm, self.worker)
         for service in ("", SERVICE_NAME):

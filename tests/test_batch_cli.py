@@ -207,7 +207,7 @@ def test_stats_json_is_consistent(file_run, records):
     assert stats["model"] == "smollm2-135m"
     assert stats["steps"] > 0 and 0 < stats["tokens_per_step"] <= 64  # the test config's largest bucket
     assert 0 < stats["host_fraction"] <= 1
-    assert stats["compiles_after_warmup"] == 0  # nothing compiled after warm-up, eager operations included
+    assert stats["xla_compiles_after_warmup"] == 0  # nothing compiled after warm-up, eager operations included
 
 
 @pytest.mark.slow

@@ -5,10 +5,12 @@ from __future__ import annotations
 import random
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.xla_compiles import XLA_COMPILES
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
@@ -74,7 +76,7 @@ def test_no_compile_after_warmup_across_random_workload(smollm2_llm):
     assert compiles == []
 
 
-def test_steps_copy_to_and_from_the_device_only_explicitly(smollm2_llm, alone):
+def test_steps_copy_host_arrays_to_the_device_only_explicitly(smollm2_llm, alone):
     """A step sends its inputs in one `device_put` and fetches its ids with `device_get`: no numpy array
     or Python scalar reaches a compiled program implicitly, where it would be a hidden copy and sync.
     The CPU platform guards copies to the device; an accelerator guards both directions."""
@@ -91,6 +93,13 @@ def test_steps_copy_to_and_from_the_device_only_explicitly(smollm2_llm, alone):
     assert [o.token_ids for o in cached] == expected and sum(o.usage.cached_tokens for o in cached) > 0
     assert [o.token_ids for o in preempted] == expected and engine.stats.preemptions > 0
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_the_xla_compile_counter_sees_a_new_program():
+    """The counter behind every "no compile after warm-up" check must see compiles at all."""
+    mark = XLA_COMPILES.mark()
+    jax.jit(lambda x: x * 3 + 1)(jnp.arange(13)).block_until_ready()  # a new function: compiled (or cache-loaded)
+    assert XLA_COMPILES.since(mark) >= 1
 
 
 def test_compile_guard_raises_for_an_unwarmed_bucket(smollm2_llm):

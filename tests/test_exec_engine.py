@@ -181,7 +181,7 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["exec_programs"] == 2 and stats["exec_traps"] == 1
     assert stats["exec_idle_steps"] > 0  # steps that ran the machine alone, with nothing else to compute
-    assert stats["compiles_after_warmup"] == 0
+    assert stats["xla_compiles_after_warmup"] == 0
 
 
 def test_grpc_exec_field_streams_the_result(exec_llm: LLM) -> None:
@@ -315,7 +315,7 @@ def test_the_pallas_machine_loop_serves_programs_inside_the_step(exec_llm: LLM, 
     assert expected[0].startswith("<|result|>42") and "<|result|>" in expected[1]
 
 
-def test_programs_reach_and_leave_the_device_only_by_explicit_copies(exec_llm: LLM, files_root) -> None:
+def test_programs_reach_the_device_only_by_explicit_copies(exec_llm: LLM, files_root) -> None:
     """Loading a program, serving its system calls, reading its trace and keeping its session memory
     copy host arrays with `device_put` and `device_get` only (see the engine's transfer-guard test)."""
     files = greedy(max_tokens=16, exec=True, exec_files=("numbers.txt", "copy.txt"), exec_session="guarded")

@@ -121,7 +121,7 @@ def test_batch_runs_share_prefix_pages_through_the_store(tmp_path):
     second, second_stats = run("second")
     assert [r["token_ids"] for r in second] == [r["token_ids"] for r in first]
     assert first_stats["cached_tokens_l3"] == 0
-    assert first_stats["compiles_after_warmup"] == second_stats["compiles_after_warmup"] == 0
+    assert first_stats["xla_compiles_after_warmup"] == second_stats["xla_compiles_after_warmup"] == 0
     # The first prompt restores the system prompt's pages from the store; the second finds them on the device.
     assert second_stats["cached_tokens_l3"] >= 5 * 8 and second_stats["cached_prompt_tokens"] >= 2 * 5 * 8
     assert second_stats["cached_prompt_tokens"] == (second_stats["cached_tokens_l1"] + second_stats["cached_tokens_l2"]

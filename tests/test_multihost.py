@@ -130,7 +130,8 @@ def token_ids(path: Path) -> dict[str, list[int]]:
 def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups):
     """Greedy output over 2 processes x 2 devices (weights restored from the orbax checkpoint saved
     sharded over 2 devices) equals one process of 4 devices on the GGUF."""
-    group = Group(workdir, "--model", str(workdir / "orbax"), "--input", str(workdir / "in.jsonl"))
+    group = Group(workdir, "--model", str(workdir / "orbax"), "--input", str(workdir / "in.jsonl"),
+                  "--stats-json", str(workdir / "stats.json"))
     groups.append(group)
     assert group.wait(0) == 0, group.log(0)[-3000:]
     assert group.wait(1) == 0, group.log(1)[-3000:]
@@ -138,6 +139,8 @@ def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups)
     assert replayed and int(replayed[-1].split()[3]) > 0, group.log(1)[-2000:]
     assert "lockstep leader at" in group.log(0)
     assert not (workdir / "run.jsonl.tmp").exists()
+    # Nothing compiled after warm-up, the checks JAX runs on inputs sent across processes included.
+    assert json.loads((workdir / "stats.json").read_text())["xla_compiles_after_warmup"] == 0
 
     single = workdir / "single.jsonl"
     proc = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--config", str(workdir / "engine.toml"),

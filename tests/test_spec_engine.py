@@ -118,7 +118,7 @@ def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2
     assert engine.pool.num_free == engine.pool.capacity
 
 
-def test_speculative_rounds_copy_to_and_from_the_device_only_explicitly(truncated_draft):
+def test_speculative_rounds_copy_host_arrays_to_the_device_only_explicitly(truncated_draft):
     """Proposals, verification and rejection sampling use explicit copies only (see the engine's
     transfer-guard test): greedy and seeded sampled outputs match an unguarded run."""
     params = [GREEDY, SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=7)] * 2
@@ -158,4 +158,4 @@ def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, t
     assert [o["token_ids"] for o in outputs] == [e.token_ids for e in expected]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["spec_proposed"] > 0 and 0 <= stats["spec_accepted"] <= stats["spec_proposed"], stats
-    assert stats["compiles_after_warmup"] == 0
+    assert stats["xla_compiles_after_warmup"] == 0

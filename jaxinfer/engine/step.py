@@ -352,6 +352,10 @@ class ModelRunner:
             for bucket in self.cfg.token_buckets:
                 if bucket not in self._executables:
                     self._executables[bucket] = self._compile(bucket)
+        for bucket in self.cfg.token_buckets:
+            # Across processes, JAX checks that every process sends the same inputs with a program of
+            # their shape: sending each bucket's inputs once compiles those checks now, not mid-run.
+            jax.block_until_ready(jax.device_put(self.empty_batch(bucket).packed(), self.replicated))
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds

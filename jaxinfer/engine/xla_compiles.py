@@ -2,9 +2,9 @@
 KV tiers' programs, and an eager operation run for the first time (each compiles a small program).
 
 The runner's compile guard sees only the step programs it compiles itself; this count is how the batch
-runner and the benchmarks check that nothing at all compiles after warm-up. `jax.monitoring` listeners
-are process-wide and cannot be removed, so there is one counter per process, listening from its first
-mark. A persistent-cache hit counts too: JAX reports the same event around compile-or-load.
+runner, the server and the benchmarks check that nothing at all compiles after warm-up. `jax.monitoring`
+listeners are process-wide, so there is one shared counter per process, listening from its first mark.
+A persistent-cache hit counts too: JAX reports the same event around compile-or-load.
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class HostPage:
     row: int
 
     def numpy(self) -> np.ndarray:
-        return np.asarray(jax.device_get(self.group))[self.row]
+        return jax.device_get(self.group)[self.row]
 
 
 class HostTier:

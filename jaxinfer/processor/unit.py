@@ -146,7 +146,7 @@ class ExecUnit:
         return state, jax.device_put(np.int32(slot), state.status.sharding)
 
     def scalars(self, slot: int) -> np.ndarray:
-        """A slot's scalars on the host (one transfer), writable: system calls change them."""
+        """A slot's scalars on the host (one transfer)."""
         return np.array(jax.device_get(self._read_scalars(*self._local(slot))))
 
     def memory(self, slot: int) -> np.ndarray:
@@ -154,7 +154,7 @@ class ExecUnit:
         return np.array(jax.device_get(self._read_row(state.memory, index)))
 
     def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A slot's scalars, registers and memory on the host (to serve its system call)."""
+        """A slot's scalars, registers and memory on the host, writable: its system call changes them."""
         state, index = self._local(slot)
         parts = (self._read_scalars(state, index), self._read_row(state.registers, index),
                  self._read_row(state.memory, index))
