@@ -28,7 +28,6 @@ REPO = Path(__file__).resolve().parents[1]
 SYSTEM = "You are the harbour master's assistant. Answer briefly about ships, tides and the weather. " * 2
 
 
-
 def start(tmp_path: Path, name: str, serve: str, store: Path) -> tuple[subprocess.Popen, str, int | None]:
     config = tmp_path / f"{name}.toml"
     config.write_text(f'[serve]\nhost = "127.0.0.1"\nport = 0\n{serve}\n' + engine_toml(kv_store=str(store)))

@@ -161,10 +161,9 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
     import subprocess
     import sys
 
-    program = [*CHAT, {"special": "<|exec|>"}, SIX_TIMES_SEVEN, {"special": "<|/exec|>"}]
-    spin = [*CHAT, {"special": "<|exec|>"}, SPIN, {"special": "<|/exec|>"}]
+    program = exec_prompt(SIX_TIMES_SEVEN)
     lines = [{"id": "on", "prompt": program}, {"id": "off", "prompt": program, "exec": False},
-             {"id": "spin", "prompt": spin, "exec_max_instructions": 200_000}]  # outlasts the others
+             {"id": "spin", "prompt": exec_prompt(SPIN), "exec_max_instructions": 200_000}]  # outlasts the others
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (tmp_path / "engine.toml").write_text(engine_toml(**EXEC_ENGINE))
     proc = subprocess.run(

@@ -90,9 +90,10 @@ class ExecUnit:
         self._alone = jax.jit(functools.partial(advance_in_step, steps=steps_per_step * ALONE_FACTOR, shape=shape),
                               donate_argnums=(0,))
         self._stop = jax.jit(_stop, donate_argnums=(0,))
-        # Reads take the slot as an argument: one program per array, whatever the slot.
-        self._read_row = jax.jit(lambda array, slot: array[slot])
-        self._read_scalars = jax.jit(lambda state, slot: machine.pack_scalars(state)[slot])
+        # Reads take the slot as an argument: one program each, whatever the slot.
+        self._read_slot = jax.jit(lambda state, slot: (machine.pack_scalars(state)[slot], state.registers[slot],
+                                                       state.memory[slot]))
+        self._read_trace = jax.jit(lambda state, slot: state.trace[slot])
         self.free = list(range(shape.slots))
         # How a change to the machine state runs: at once here; in a process group's leader it is
         # first sent to the followers (ModelRunner._replicated), which apply it with `apply_call`.
@@ -146,24 +147,19 @@ class ExecUnit:
         return state, jax.device_put(np.int32(slot), state.status.sharding)
 
     def scalars(self, slot: int) -> np.ndarray:
-        """A slot's scalars on the host (one transfer)."""
-        return np.array(jax.device_get(self._read_scalars(*self._local(slot))))
+        return self.read(slot)[0]
 
     def memory(self, slot: int) -> np.ndarray:
-        state, index = self._local(slot)
-        return np.array(jax.device_get(self._read_row(state.memory, index)))
+        return self.read(slot)[2]
 
     def read(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """A slot's scalars, registers and memory on the host, writable: its system call changes them."""
-        state, index = self._local(slot)
-        parts = (self._read_scalars(state, index), self._read_row(state.registers, index),
-                 self._read_row(state.memory, index))
-        return tuple(np.array(part) for part in jax.device_get(parts))
+        """A slot's scalars, registers and memory on the host (one program, one copy back), writable: a
+        system call changes them."""
+        return tuple(np.array(part) for part in jax.device_get(self._read_slot(*self._local(slot))))
 
     def trace_rows(self, slot: int, count: int) -> np.ndarray:
         """The first ``count`` trace rows of a slot (pc, op, value low, value high)."""
-        state, index = self._local(slot)
-        return jax.device_get(self._read_row(state.trace, index))[: min(count, self.shape.trace_entries)]
+        return jax.device_get(self._read_trace(*self._local(slot)))[: min(count, self.shape.trace_entries)]
 
     def resume(self, slot: int, scalars: np.ndarray, registers: np.ndarray, memory: np.ndarray) -> None:
         arrays = {"scalars": scalars, "registers": registers, "memory": memory}
