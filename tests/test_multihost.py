@@ -3,7 +3,8 @@ collectives, coordinator on 127.0.0.1) run one model sharded over all 4 devices 
 LoRA adapters the leader reads and sends to the follower.
 
 Also: a sharded orbax checkpoint saved from one layout restores into other mesh shapes, a leader
-that stops takes its followers with it, and a lost process stops the group with a clear error.
+that stops takes its followers with it, a lost process stops the group with a clear error, and host
+arrays reach the group's mesh without a cross-process check.
 """
 
 from __future__ import annotations
@@ -339,3 +340,56 @@ def test_control_frames_round_trip_without_pickle():
             left.sendall(data)
             with pytest.raises(ValueError, match=message):
                 receive(right, limit=limit)
+
+
+TRANSFER_CHILD = r"""
+import json, sys
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+from jaxinfer.engine.xla_compiles import XLA_COMPILES
+from jaxinfer.parallel import make_mesh
+from jaxinfer.parallel.distributed import ProcessGroup, initialize
+from jaxinfer.parallel.transfer import to_devices
+initialize(ProcessGroup(f"127.0.0.1:{sys.argv[1]}", 2, int(sys.argv[2])))
+mesh = make_mesh()
+host = np.arange(6 * 8, dtype=np.float32).reshape(6, 8)
+shardings = [NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(None, "model"))]
+mark = XLA_COMPILES.mark()
+placed = [to_devices(host, sharding) for sharding in shardings]
+half = host.astype(jax.numpy.bfloat16)
+scalar, placed_half = to_devices((np.int32(7), half), shardings[0])
+compiles_to_devices = XLA_COMPILES.since(mark)
+tree = dict(scalar=[int(scalar.addressable_data(0)), list(scalar.shape), str(scalar.dtype)],
+            half=[str(placed_half.dtype),
+                  all(np.array_equal(np.asarray(shard.data), half) for shard in placed_half.addressable_shards)])
+local = [[np.array_equal(np.asarray(shard.data), host[shard.index]) for shard in array.addressable_shards]
+         for array in placed]
+total = jax.jit(lambda a: (a * 2).sum(), out_shardings=shardings[0])(placed[1])
+mark = XLA_COMPILES.mark()
+jax.block_until_ready(jax.device_put(host + 1, shardings[0]))
+compiles_device_put = XLA_COMPILES.since(mark)
+print(json.dumps(dict(local=local, total=float(total.addressable_data(0)), tree=tree,
+                      compiles_to_devices=compiles_to_devices, compiles_device_put=compiles_device_put,
+                      shards=[len(a.addressable_shards) for a in placed])))
+"""
+
+
+def test_host_arrays_reach_a_two_process_mesh_without_a_cross_process_check():
+    """to_devices places each process's own copy: the right slice on every local device (also for 0-d and
+    bfloat16 leaves of a tree), usable by a program over both processes, and no compiled check
+    (jax.device_put compiles one for the same array)."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", TRANSFER_CHILD, str(port), str(i)], cwd=REPO,
+                              env=cpu_env(DEVICES_PER_PROCESS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for i in (0, 1)]
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    for proc, (_, stderr) in zip(procs, outputs, strict=True):
+        assert proc.returncode == 0, stderr[-3000:]
+    for stdout, _ in outputs:
+        (result,) = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]  # gloo prints too
+        assert result["shards"] == [DEVICES_PER_PROCESS, DEVICES_PER_PROCESS]
+        assert result["local"] == [[True] * DEVICES_PER_PROCESS] * 2
+        assert result["total"] == 2 * sum(range(6 * 8))
+        assert result["tree"] == {"scalar": [7, [], "int32"], "half": ["bfloat16", True]}  # 0-d and bf16 leaves keep
+        assert result["compiles_to_devices"] == 0
+        assert result["compiles_device_put"] > 0  # what to_devices avoids: JAX's check of every process's copy

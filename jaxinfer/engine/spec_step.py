@@ -28,6 +28,7 @@ from jaxinfer.engine.spec import propose, verify
 from jaxinfer.engine.step import HostBatch, ModelRunner, PackedInputs, keep_shardings
 from jaxinfer.errors import ConfigError
 from jaxinfer.models import LlamaForCausalLM
+from jaxinfer.parallel.transfer import to_devices
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class SpecRunner:
         self.graphdef, self.state = nnx.split(draft)
         self.caches = draft.empty_caches(target.cfg.num_pages, target.cfg.page_size, target.mesh)
         max_seqs, vocab = target.cfg.max_seqs, draft_cfg.vocab_size
-        self._no_probs = jax.device_put(np.zeros((max_seqs, vocab), np.float32), target.replicated)
+        self._no_probs = to_devices(np.zeros((max_seqs, vocab), np.float32), target.replicated)
         # Proposals feed later calls compiled for replicated inputs: pin them replicated (with a
         # model-sharded vocabulary the compiler could otherwise leave `probs` sharded).
         cache_shardings = jax.tree.map(lambda x: x.sharding, self.caches)
@@ -166,7 +167,7 @@ class SpecRunner:
     # -- run ---------------------------------------------------------------------------------------
     def propose(self, batch: HostBatch, previous: ProposeResult | None) -> ProposeResult:
         exe = self.target.executable_from(self._propose_exes, batch.num_tokens, self._compile_propose, "propose")
-        inputs = jax.device_put(batch.packed(), self.target.replicated)
+        inputs = to_devices(batch.packed(), self.target.replicated)
         prev = previous.tokens if previous is not None else self.target.no_tokens
         self.caches, tokens, probs, confidence = exe(self.state, self.caches, prev, inputs)
         return ProposeResult(tokens, probs, confidence)
@@ -176,8 +177,8 @@ class SpecRunner:
         t = self.target
         exe = t.executable_from(self._verify_exes, batch.num_tokens, self._compile_verify, "verify")
         t.copy_evicted_pages()
-        inputs = jax.device_put(batch.packed(), t.replicated)
-        spec_inputs = jax.device_put(SpecInputs(*spec), t.replicated)
+        inputs = to_devices(batch.packed(), t.replicated)
+        spec_inputs = to_devices(SpecInputs(*spec), t.replicated)
         probs = tuple(p.probs for p in proposals) + (self._no_probs,) * (self.k - len(proposals))
         t.caches, self.caches, tokens, counts, logprobs = exe(t.state, self.state, t.caches, self.caches, probs,
                                                               inputs, spec_inputs)

@@ -39,6 +39,7 @@ from jaxinfer.layers.attention import AttentionMetadata
 from jaxinfer.layers.kv_layout import KVLayout
 from jaxinfer.models import LlamaForCausalLM
 from jaxinfer.parallel.lockstep import Leader
+from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.processor.unit import ExecReport, ExecUnit
 from jaxinfer.weights.adapter_file import AdapterWeights
 
@@ -200,8 +201,8 @@ class ModelRunner:
         # The host's record of the device pages: one per KV pool, shared by every engine on it.
         self.pool = PrefixCachingPool(cfg.num_pages)
         self.replicated = NamedSharding(mesh, PartitionSpec())
-        self.no_tokens = jax.device_put(np.zeros(cfg.max_seqs, np.int32), self.replicated)
-        self.no_logprobs = jax.device_put(np.zeros(cfg.max_seqs, np.float32), self.replicated)
+        self.no_tokens = to_devices(np.zeros(cfg.max_seqs, np.int32), self.replicated)
+        self.no_logprobs = to_devices(np.zeros(cfg.max_seqs, np.float32), self.replicated)
         exec_steps = cfg.exec_steps_on(mesh.devices.flat[0].platform)
         self.exec_unit = (ExecUnit(cfg.exec_machine_shape, exec_steps, self.replicated)
                           if cfg.exec_slots else None)
@@ -352,10 +353,6 @@ class ModelRunner:
             for bucket in self.cfg.token_buckets:
                 if bucket not in self._executables:
                     self._executables[bucket] = self._compile(bucket)
-        for bucket in self.cfg.token_buckets:
-            # Across processes, JAX checks that every process sends the same inputs with a program of
-            # their shape: sending each bucket's inputs once compiles those checks now, not mid-run.
-            jax.block_until_ready(jax.device_put(self.empty_batch(bucket).packed(), self.replicated))
         self.warmed_up = True
         self.warmup_seconds = time.perf_counter() - start
         return self.warmup_seconds
@@ -395,7 +392,7 @@ class ModelRunner:
 
     def _launch(self, batch: HostBatch, previous: StepResult | None, executable: jax.stages.Compiled,
                 number: int) -> StepResult:
-        inputs = jax.device_put(batch.packed(), self.replicated)
+        inputs = to_devices(batch.packed(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
         outputs = executable(self.state, self.caches, prev_tokens, inputs, *self._exec_args())
         self.caches, tokens, logprobs = outputs[:3]
@@ -432,7 +429,7 @@ class ModelRunner:
         """
         start = time.perf_counter()
         if self._import_rows_fn is None and self._has_pinned_host():
-            probe = self._export_fn(self.caches, jax.device_put(np.zeros(TIER_CHUNK, np.int32), self.replicated))
+            probe = self._export_fn(self.caches, to_devices(np.zeros(TIER_CHUNK, np.int32), self.replicated))
             device = probe.sharding
             self._export_fn = jax.jit(self._export_pages, out_shardings=device.with_memory_kind("pinned_host"))
             self._import_rows_fn = jax.jit(functools.partial(_import_rows, self.model.kv_layout, device),
@@ -468,7 +465,7 @@ class ModelRunner:
         for i in range(0, len(pages), TIER_CHUNK):
             group = np.zeros(TIER_CHUNK, np.int32)
             group[: len(pages[i : i + TIER_CHUNK])] = pages[i : i + TIER_CHUNK]
-            out = self._export_fn(self.caches, jax.device_put(group, self.replicated))
+            out = self._export_fn(self.caches, to_devices(group, self.replicated))
             if out.sharding.memory_kind != "pinned_host":
                 out.copy_to_host_async()
             chunks.append(out)
@@ -492,8 +489,8 @@ class ModelRunner:
         pages, picks = np.zeros(TIER_CHUNK, np.int32), np.zeros(TIER_CHUNK, np.int32)
         pages[: len(rows)] = [page for page, _ in rows]  # padding writes row 0 into the null page
         picks[: len(rows)] = [data.row for _, data in rows]
-        self.caches = self._import_rows_fn(self.caches, rows[0][1].group, jax.device_put(picks, self.replicated),
-                                           jax.device_put(pages, self.replicated))
+        self.caches = self._import_rows_fn(self.caches, rows[0][1].group, to_devices(picks, self.replicated),
+                                           to_devices(pages, self.replicated))
 
     def _import_arrays(self, pages: list[int], data: np.ndarray) -> None:
         for i in range(0, len(pages), TIER_CHUNK):
@@ -502,8 +499,8 @@ class ModelRunner:
             group[: len(rows)] = pages[i : i + TIER_CHUNK]
             padded = np.zeros((TIER_CHUNK, *data.shape[1:]), data.dtype)
             padded[: len(rows)] = rows
-            self.caches = self._import_fn(self.caches, jax.device_put(group, self.replicated),
-                                          jax.device_put(padded, self.replicated))
+            self.caches = self._import_fn(self.caches, to_devices(group, self.replicated),
+                                          to_devices(padded, self.replicated))
 
     def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step and waits for it: (sampled token per row, its logprob)."""

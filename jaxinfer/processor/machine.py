@@ -81,13 +81,17 @@ SCALAR_FIELDS = MachineState._fields[:13]
 SCALAR = {name: index for index, name in enumerate(SCALAR_FIELDS)}
 
 
-def empty_state(shape: MachineShape) -> MachineState:
-    scalars = {name: jnp.zeros((shape.slots,), jnp.int32) for name in SCALAR_FIELDS}
+def empty_state(shape: MachineShape, sharding: jax.sharding.Sharding | None = None) -> MachineState:
+    """Every slot idle, placed with `sharding` when given (built on the devices: no host copy to send)."""
+    def zeros(dims: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        return jnp.zeros(dims, dtype, device=sharding)
+
+    scalars = {name: zeros((shape.slots,), jnp.int32) for name in SCALAR_FIELDS}
     return MachineState(
         **scalars,
-        registers=jnp.zeros((shape.slots, shape.registers + 1, 2), U32),
-        memory=jnp.zeros((shape.slots, shape.memory_bytes + 8), jnp.uint8),
-        trace=jnp.zeros((shape.slots, shape.trace_entries + 1, 4), jnp.int32),
+        registers=zeros((shape.slots, shape.registers + 1, 2), U32),
+        memory=zeros((shape.slots, shape.memory_bytes + 8), jnp.uint8),
+        trace=zeros((shape.slots, shape.trace_entries + 1, 4), jnp.int32),
     )
 
 

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.processor import machine
 from jaxinfer.processor.instance import (
     CompiledModule,
@@ -83,8 +84,9 @@ def _stop(state: machine.MachineState, slot: jax.Array) -> machine.MachineState:
 class ExecUnit:
     def __init__(self, shape: machine.MachineShape, steps_per_step: int, sharding: jax.sharding.Sharding) -> None:
         self.shape, self.steps, self.sharding = shape, steps_per_step, sharding
-        self.state = jax.device_put(machine.empty_state(shape), sharding)
-        self.code = jax.device_put(jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32), sharding)
+        # Built on the devices: host zeros sent across processes would be compared first (parallel.transfer).
+        self.state = machine.empty_state(shape, sharding)
+        self.code = jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32, device=sharding)
         self._load = jax.jit(_load, donate_argnums=(0, 1))
         self._write = jax.jit(_write_slot, donate_argnums=(0,))
         self._alone = jax.jit(functools.partial(advance_in_step, steps=steps_per_step * ALONE_FACTOR, shape=shape),
@@ -138,7 +140,7 @@ class ExecUnit:
 
     def _sent(self, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
         """Host arrays on the state's devices, in one explicit copy (no implicit transfer at the call)."""
-        return tuple(jax.device_put(arrays, self.sharding))
+        return tuple(to_devices(arrays, self.sharding))
 
     def _local(self, slot: int) -> tuple[machine.MachineState, jax.Array]:
         """The state as this process's first device holds it (replicated: reads need no other process),

@@ -1,8 +1,9 @@
 """Builds a sharded model from a checkpoint: abstract tree first, then each tensor placed directly.
 
 The model is created with `nnx.eval_shape` (no memory), and every parameter is filled from the
-checkpoint's tensor stream with `jax.device_put` to the sharding its logical axes give on the mesh,
-so at most one host copy of one tensor exists at a time.
+checkpoint's tensor stream with `to_devices` to the sharding its logical axes give on the mesh, so at
+most one host copy of one tensor exists at a time; in a process group no process waits for another's
+copy to be compared with its own (parallel/transfer.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jaxinfer.errors import CheckpointError
 from jaxinfer.layers.attention import AttentionBackend
 from jaxinfer.models import LlamaForCausalLM, model_class
 from jaxinfer.parallel import named_sharding
+from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.weights import gguf_file as gguf_names
 from jaxinfer.weights import hf, orbax_io
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
@@ -78,7 +80,7 @@ def fill(
             )
         dtype = param.get_value().dtype
         sharding = named_sharding(expected, param.logical_axes, mesh)
-        param.set_value(jax.device_put(_cast(array, dtype), sharding))
+        param.set_value(to_devices(_cast(array, dtype), sharding))
         filled.add(name)
     missing = sorted(checkpoint_name(name) for name in set(params) - filled)
     if missing:
