@@ -8,6 +8,7 @@ adapter in use by a queued or running request cannot be unloaded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -17,11 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.errors import CheckpointError, ConfigError, RequestError
 from jaxinfer.layers.basic import Linear
 from jaxinfer.models import LlamaForCausalLM
 from jaxinfer.parallel import named_sharding
+from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.weights.adapter_file import AdapterWeights, read_adapter
 from jaxinfer.weights.registry import resolve_adapter
 
@@ -44,7 +47,8 @@ class AdapterSlots:
         self.model, self.max_adapters, self.max_rank, self.targets = model, max_adapters, max_rank, targets
 
         def zeros(shape: tuple[int, ...], axes: tuple[str | None, ...]) -> jax.Array:
-            return jax.device_put(jnp.zeros(shape, model.dtype), named_sharding(shape, axes, mesh))
+            # jnp.zeros fills each device's shard in place: nothing is sent or compared across processes.
+            return jnp.zeros(shape, model.dtype, device=named_sharding(shape, axes, mesh))
 
         model.add_lora_slots(max_adapters + 1, max_rank, targets, zeros)
         self.linears: dict[str, Linear] = model.adaptable_linears(targets)
@@ -147,11 +151,21 @@ class AdapterSlots:
             _set_slot(linear.lora_b, slot, b)
         embed = self.model.model.embed_tokens
         if embed.added_rows is not None:
-            rows = np.array(embed.weight[...][embed.added_start :], np.float32)
-            ids = weights.token_ids if weights is not None else ()
-            for token, row in zip(ids, weights.token_rows if ids else (), strict=True):  # rows only with ids
-                rows[token - embed.added_start] = row
-            _set_slot(embed.added_rows, slot, rows)
+            _set_token_rows(embed, slot, weights)
+
+
+def _set_token_rows(embed: nnx.Module, slot: int, weights: AdapterWeights | None) -> None:
+    """Slot `slot`'s added rows: the adapter's trained rows where it has them, the table's elsewhere
+    (merged on the devices, so no process reads back a table that other processes hold parts of)."""
+    added = embed.added_rows[...]
+    count, width = added.shape[1:]
+    trained, rows = np.zeros(count, bool), np.zeros((count, width), added.dtype)
+    ids = weights.token_ids if weights is not None else ()
+    for token, row in zip(ids, weights.token_rows if ids else (), strict=True):  # rows only with ids
+        trained[token - embed.added_start], rows[token - embed.added_start] = True, row
+    replicated = NamedSharding(added.sharding.mesh, PartitionSpec())
+    sent = to_devices((np.int32(slot), trained, rows), replicated)
+    embed.added_rows.set_value(_with_token_rows(added, embed.weight[...], *sent, embed.added_start, added.sharding))
 
 
 ReadAdapter = tuple[Path, AdapterWeights]
@@ -165,8 +179,23 @@ def read_adapter_source(source: str) -> ReadAdapter:
 
 def _set_slot(variable: nnx.Variable, slot: int, value: np.ndarray, axis: int = 0) -> None:
     array = variable[...]
-    index = (slice(None),) * axis + (slot,)
-    variable.set_value(jax.device_put(array.at[index].set(value.astype(array.dtype)), array.sharding))
+    replicated = NamedSharding(array.sharding.mesh, PartitionSpec())
+    sent_slot, sent_value = to_devices((np.int32(slot), value.astype(array.dtype)), replicated)
+    variable.set_value(_with_slot(array, sent_slot, sent_value, axis, array.sharding))
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "sharding"))
+def _with_slot(array: jax.Array, slot: jax.Array, value: jax.Array, axis: int, sharding: NamedSharding) -> jax.Array:
+    """`array` with index `slot` of dimension `axis` replaced by `value`, kept in `sharding` (the array's)."""
+    return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_index_in_dim(array, value, slot, axis), sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("start", "sharding"))
+def _with_token_rows(added: jax.Array, table: jax.Array, slot: jax.Array, trained: jax.Array, rows: jax.Array,
+                     start: int, sharding: NamedSharding) -> jax.Array:
+    """`added` with slot `slot` set to `rows` where `trained`, else to the table's rows from `start` on."""
+    base = jax.lax.slice_in_dim(table, start, table.shape[0]).astype(added.dtype)
+    return _with_slot(added, slot, jnp.where(trained[:, None], rows, base), 0, sharding)
 
 
 def parse_adapter_spec(spec: str) -> tuple[str, str]:

@@ -66,7 +66,7 @@ class Embed(nnx.Module):
 
     def add_token_slots(self, slots: int, start: int, zeros: ZerosFn) -> None:
         """Per-slot rows [slots, n, embed] for ids start .. vocab - 1, each a copy of the table's rows."""
-        base = self.weight[...][start:]
+        base = jax.lax.slice_in_dim(self.weight[...], start, self.weight.shape[0])  # static bounds: nothing sent
         axes = ("lora_slots", None, "embed")
         self.added_rows = LoraParam(zeros((slots, *base.shape), axes) + base[None], logical_axes=axes)
         self.added_start = start

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from safetensors.flax import load_file
+from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from jaxinfer.errors import CheckpointError
@@ -113,8 +113,9 @@ def _this_process_only() -> ocp.StandardCheckpointer:
 def _read_tensors(path: Path) -> dict[str, np.ndarray]:
     if (path / SAFETENSORS_FILE).exists():
         try:
-            return {name: np.asarray(value) for name, value in load_file(path / SAFETENSORS_FILE).items()}
-        except Exception as exc:  # safetensors raises its own error types for damaged files (bf16 is read too)
+            with safe_open(path / SAFETENSORS_FILE, framework="numpy") as tensors:  # bf16 too, on the host
+                return {name: tensors.get_tensor(name) for name in tensors.keys()}  # noqa: SIM118 (not a mapping)
+        except Exception as exc:  # safetensors raises its own error types for damaged files
             raise CheckpointError(f"{path / SAFETENSORS_FILE}: unreadable ({exc})") from None
     if (path / ORBAX_STATE).is_dir():
         try:
