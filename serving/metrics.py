@@ -84,11 +84,17 @@ class EngineCollector(Collector):
                                   value=m["pages_published"])
 
 
+# The final statuses of a Generate request (the `status` label of jaxinfer_requests_total).
+REQUEST_STATUSES = ("ok", "invalid", "limited", "error", "cancelled")
+
+
 class ServerMetrics:
     def __init__(self, read_engine: Callable[[], tuple[dict[str, float], int, int] | None]):
         self.registry = CollectorRegistry()
         self.requests = Counter("jaxinfer_requests", "Generate requests by final status", ["status"],
                                 registry=self.registry)
+        for status in REQUEST_STATUSES:  # every series exists from the start at 0, so rates need no first event
+            self.requests.labels(status=status)
         self.ttft = Histogram("jaxinfer_time_to_first_token_seconds", "request arrival to first streamed token",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.itl = Histogram("jaxinfer_inter_token_latency_seconds", "time between streamed tokens",

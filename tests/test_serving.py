@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from jaxinfer import SamplingParams
 from serving import stubs
 from serving.client import AsyncInferenceClient, InferenceClient
+from serving.metrics import REQUEST_STATUSES
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 from serving.server import SERVICE_NAME, InferenceServer, ServeConfig
@@ -235,6 +236,8 @@ def sample_value(text: str, name: str) -> float:
 
 def test_prometheus_metrics_count_requests_latency_and_engine_state(server, client):
     before = scrape(server.server.metrics_port)
+    for status in REQUEST_STATUSES:  # every status has its series before its first request
+        sample_value(before, f'jaxinfer_requests_total{{status="{status}"}}')
     ok_before = sample_value(before, 'jaxinfer_requests_total{status="ok"}')
     compiled_before = sample_value(before, "jaxinfer_xla_compiles_while_serving_total")
     for _ in range(2):
