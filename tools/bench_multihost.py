@@ -2,11 +2,17 @@
 
     python tools/bench_multihost.py control      # the lockstep control channel: bytes and us per step
     python tools/bench_multihost.py replicas     # 1 replica on 1 device vs 2 replicas on 2 devices (CPU)
+    python tools/bench_multihost.py put          # host arrays onto a two-process mesh: device_put vs to_devices
 
 `control` sends real `HostBatch` frames over loopback TCP (encode, send, receive, decode) at the
 shapes of the CPU, test and GPU configs, decode and prefill buckets. `replicas` runs the same
 greedy workload (random prompts, exactly N new tokens) on one engine and on a ReplicaSet of two,
-each in a fresh process with 2 CPU devices, and prints the ratio. Output: one JSON line each.
+each in a fresh process with 2 CPU devices, and prints the ratio. `put` starts a real group of two
+processes (gloo over loopback) and times placing the same host arrays with `jax.device_put`, which
+first checks across processes that every process sends the same value, and with
+`jaxinfer.parallel.transfer.to_devices`, which does not: a step's packed inputs at the decode and
+prefill buckets of the CPU and GPU configs, and every SmolLM2-135M tensor with its sharding.
+Output: one JSON line each.
 """
 
 from __future__ import annotations
@@ -113,6 +119,75 @@ def bench_replicas(args: argparse.Namespace) -> None:
               identical_output=results[1]["ids"] == results[2]["ids"]))
 
 
+PUT_CHILD = r"""
+import json, sys, time
+import jax, numpy as np
+from jaxinfer.config import load_engine_config
+from jaxinfer.engine.step import ModelRunner
+from jaxinfer.parallel import make_mesh, named_sharding
+from jaxinfer.parallel.distributed import ProcessGroup, initialize
+from jaxinfer.parallel.transfer import to_devices
+from jaxinfer.weights.gguf_file import GGUFCheckpoint
+from jaxinfer.weights.loader import abstract_model, parameters
+from jaxinfer.weights.registry import resolve
+port, process_id, repeats, repo = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+initialize(ProcessGroup(f"127.0.0.1:{port}", 2, process_id))
+mesh = make_mesh()
+ways = {"device_put": jax.device_put, "to_devices": to_devices}
+def emit(record):
+    if process_id == 0:
+        print(json.dumps(record), flush=True)
+def put_us(way, host, sharding):
+    for _ in range(3):
+        jax.block_until_ready(way(host, sharding))
+    start = time.perf_counter()
+    for _ in range(repeats):
+        jax.block_until_ready(way(host, sharding))
+    return round(1e6 * (time.perf_counter() - start) / repeats, 1)
+gguf = GGUFCheckpoint(resolve("smollm2-135m").path)
+model_cfg = gguf.config()
+replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+for config in ("engine-cpu.toml", "engine-gpu.toml"):
+    cfg = load_engine_config(f"{repo}/configs/{config}")
+    runner = ModelRunner.__new__(ModelRunner)  # only empty_batch: no weights or device state needed
+    runner.cfg, runner.max_pages_per_seq = cfg, cfg.max_pages_per_seq(model_cfg)
+    for bucket in sorted({min(cfg.max_seqs, cfg.token_buckets[-1]), cfg.token_buckets[-1]}):
+        packed = runner.empty_batch(bucket).packed()
+        emit(dict(what="put_step_inputs", config=config, bucket=bucket, bytes=packed.words.nbytes,
+                  **{f"{name}_us": put_us(way, packed, replicated) for name, way in ways.items()}))
+params = parameters(abstract_model(model_cfg, np.float32, None))
+tensors = [(np.asarray(array, np.float32), named_sharding(array.shape, params[name].logical_axes, mesh))
+           for name, _, array in gguf.iter_tensors(model_cfg) if name in params]
+seconds = {}
+for name, way in [*ways.items(), *ways.items()]:  # each way twice, alternated
+    start = time.perf_counter()
+    placed = jax.block_until_ready([way(array, sharding) for array, sharding in tensors])
+    seconds.setdefault(name, []).append(round(time.perf_counter() - start, 2))
+    del placed
+emit(dict(what="put_weights", model="smollm2-135m", tensors=len(tensors),
+          bytes=sum(array.nbytes for array, _ in tensors), **{f"{name}_s": s for name, s in seconds.items()}))
+"""
+
+
+def bench_put(args: argparse.Namespace) -> None:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}", JAX_PLATFORMS="cpu")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    children = [subprocess.Popen([sys.executable, "-c", PUT_CHILD, str(port), str(process_id), str(args.repeats),
+                                  str(REPO)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for process_id in (0, 1)]
+    outputs = [child.communicate(timeout=1800) for child in children]
+    for child, (_, stderr) in zip(children, outputs, strict=True):
+        if child.returncode != 0:
+            raise SystemExit(stderr[-3000:])
+    emit(dict(what="put_group", processes=2, devices_per_process=args.devices, repeats=args.repeats,
+              cpus=os.cpu_count()))
+    for line in outputs[0][0].splitlines():
+        if line.startswith("{"):  # gloo prints its connections to stdout too
+            print(line, flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="workload", required=True)
@@ -124,8 +199,11 @@ def main() -> None:
     replicas.add_argument("--in-len", type=int, default=64)
     replicas.add_argument("--out-len", type=int, default=64)
     replicas.add_argument("--config", default=str(REPO / "configs" / "engine-cpu.toml"))
+    put = sub.add_parser("put")
+    put.add_argument("--devices", type=int, default=2, help="CPU devices in each of the two processes")
+    put.add_argument("--repeats", type=int, default=200, help="timed placements of each step's inputs")
     args = p.parse_args()
-    {"control": bench_control, "replicas": bench_replicas}[args.workload](args)
+    {"control": bench_control, "replicas": bench_replicas, "put": bench_put}[args.workload](args)
 
 
 if __name__ == "__main__":
