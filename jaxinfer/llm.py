@@ -22,7 +22,7 @@ from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.replicas import ReplicaSet
 from jaxinfer.engine.spec_step import SpecRunner
 from jaxinfer.engine.step import ModelRunner
-from jaxinfer.errors import ConfigError, RequestError
+from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
 from jaxinfer.kv.store import ModelIdentity, PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.layers.attention import make_backend
@@ -31,6 +31,7 @@ from jaxinfer.parallel.distributed import ProcessGroup, initialize
 from jaxinfer.parallel.lockstep import Follower, Leader, connect
 from jaxinfer.processor.protocol import CONTROL_TOKENS
 from jaxinfer.tokenizer.tokenizer import GuardReport
+from jaxinfer.weights.fingerprint import check_same_as_leader, fingerprint, load_fingerprints
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.loader import load_model, place_copy
 from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
@@ -108,15 +109,32 @@ class LLM:
         channel = lockstep if lockstep is not None else connect(self.group)
         self.leader = channel if isinstance(channel, Leader) else None
         self.follower = channel if isinstance(channel, Follower) else None
-        if self.leader is not None:
-            self.leader.begin_load()
-        if self.follower is not None:
-            self.follower.await_load()  # raises LeaderStopped when the leader gives up first
         try:
+            self._join_load(model, cfg)
             self._load(model, cfg)
         except BaseException:
             self.close()
             raise
+
+    def _join_load(self, model: str | Path, cfg: EngineConfig) -> None:
+        """In a group, loads together: the leader says what it loads, and each follower checks that its
+        own copy of the checkpoints has the same content (each process reads its own files)."""
+        if self.leader is None and self.follower is None:
+            return
+        if self.leader is not None:
+            refusals = self.leader.begin_load(load_fingerprints(model, cfg.draft_model))
+            if refusals:
+                raise CheckpointError("; ".join(f"follower process {process_id} refused to load: {reason}"
+                                                for process_id, reason in sorted(refusals.items())))
+            return
+        leader_checkpoints = self.follower.await_load()  # raises LeaderStopped when the leader gives up first
+        try:  # a refusal, even for missing files, goes to the leader, which stops the group in order
+            check_same_as_leader(leader_checkpoints, load_fingerprints(model, cfg.draft_model),
+                                 self.group.process_id)
+        except JaxinferError as error:
+            self.follower.answer_load(str(error))
+            raise
+        self.follower.answer_load()
 
     def _load(self, model: str | Path, cfg: EngineConfig) -> None:
         enable_compilation_cache(cfg.compilation_cache_dir)
@@ -190,10 +208,9 @@ class LLM:
             return None
         store = None
         if cfg.kv_store:
-            stat = Path(checkpoint.path).stat()  # name, size and mtime: a changed checkpoint is another model
-            source = f"{checkpoint.name}:{stat.st_size}:{int(stat.st_mtime)}"
-            identity = ModelIdentity(source, jnp.dtype(self.dtype).name, cfg.page_size, m.num_layers,
-                                     m.num_kv_heads, m.head_dim)
+            # The files' content, not their name or place: the same checkpoint anywhere shares pages.
+            identity = ModelIdentity(fingerprint(checkpoint.path), jnp.dtype(self.dtype).name, cfg.page_size,
+                                     m.num_layers, m.num_kv_heads, m.head_dim)
             store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds, cfg.kv_store_max_bytes)
         return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store,
                            cfg.kv_store_sweep_seconds)

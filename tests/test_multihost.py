@@ -3,8 +3,8 @@ collectives, coordinator on 127.0.0.1) run one model sharded over all 4 devices 
 LoRA adapters the leader reads and sends to the follower.
 
 Also: a sharded orbax checkpoint saved from one layout restores into other mesh shapes, a leader
-that stops takes its followers with it, a lost process stops the group with a clear error, and host
-arrays reach the group's mesh without a cross-process check.
+that stops takes its followers with it, a lost process or one with other weights stops the group with
+a clear error, and host arrays reach the group's mesh without a cross-process check.
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def workdir(tmp_path_factory) -> Path:
 class Group:
     """`python -m jaxinfer.batch` started as processes 0..n-1 of one group; stderr goes to files."""
 
-    def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run"):
+    def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run",
+                 follower_args: tuple[str, ...] = ()):
         self.port = free_port()
         self.logs = [workdir / f"{name}-{i}.log" for i in range(processes)]
         self.output = workdir / f"{name}.jsonl"
@@ -92,8 +93,9 @@ class Group:
         self.procs = []
         for i, log_path in enumerate(self.logs):
             with open(log_path, "w") as log_file:
+                own = ("--process-id", str(i), *(follower_args if i else ()))
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "jaxinfer.batch", *args, "--process-id", str(i)], cwd=REPO,
+                    [sys.executable, "-m", "jaxinfer.batch", *args, *own], cwd=REPO,
                     env=cpu_env(DEVICES_PER_PROCESS), stdout=subprocess.DEVNULL, stderr=log_file))
 
     def log(self, i: int) -> str:
@@ -251,6 +253,26 @@ def test_leader_stop_ends_followers_cleanly(workdir, groups):
     assert "--input: file not found" in group.log(0)
     assert group.wait(1) == 0, group.log(1)[-3000:]
     assert "process 1: replayed 0 steps" in group.log(1)
+    assert not group.output.exists()
+
+
+def test_a_follower_with_other_weights_stops_the_group_before_loading(workdir, groups):
+    """Each process reads its own copy of the checkpoint, and placing weights compares nothing across
+    processes: a follower given other files (the orbax conversion; the leader reads the GGUF) refuses
+    to load, naming both fingerprints; it tells the leader why and waits for its stop, so both exit
+    with the error (not an abort in the coordination service's shutdown)."""
+    from jaxinfer.weights.fingerprint import fingerprint
+    from jaxinfer.weights.registry import resolve
+
+    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="other-weights",
+                  follower_args=("--model", str(workdir / "orbax")))
+    groups.append(group)
+    assert group.wait(1) == 2, group.log(1)[-3000:]
+    log = group.log(1)
+    assert "other files than the leader's (process 0) 'smollm2-135m'" in log, log[-3000:]
+    assert fingerprint(workdir / "orbax") in log and fingerprint(resolve("smollm2-135m").path) in log
+    assert group.wait(0, timeout=120) == 2, group.log(0)[-3000:]
+    assert "error: follower process 1 refused to load: model: process 1 reads" in group.log(0)
     assert not group.output.exists()
 
 

@@ -45,7 +45,7 @@ HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this si
 class ModelIdentity:
     """What must match for a stored page to be usable: the checkpoint and the KV layout."""
 
-    checkpoint: str  # a content hash of the checkpoint (or its name, size and mtime)
+    checkpoint: str  # the checkpoint's content fingerprint (weights/fingerprint.py)
     dtype: str
     page_size: int
     num_layers: int

@@ -9,8 +9,10 @@ replicated over the mesh, so the leader reads them from its own devices.
 The channel also carries the group's life: the leader sends `stop` when it shuts down and the
 followers exit cleanly; a follower that reads end-of-file (the leader died) exits non-zero; the
 leader exits non-zero at once when a follower's connection drops, since its next collective would
-wait for that follower forever. The leader publishes its address and a one-time token in the
-coordination service's key-value store, so only members of the group can connect.
+wait for that follower forever. Followers answer only `load` (ready, or a refusal with its reason):
+a refusing follower waits for the leader's `stop`, so both leave the coordination service in order.
+The leader publishes its address and a one-time token in the coordination service's key-value
+store, so only members of the group can connect.
 
 Frames: 8 bytes (header length, payload length, big-endian), a JSON header, then the arrays' raw
 bytes back to back, described by the header (name, dtype, shape). No pickle crosses the wire. A
@@ -20,10 +22,10 @@ step's page table goes without its trailing zero columns (`pack_step`).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import json
 import logging
 import os
+import queue
 import secrets
 import socket
 import struct
@@ -173,6 +175,8 @@ class Leader:
         finally:
             listener.close()
         atexit.register(self.stop)  # runs before JAX's own exit-time shutdown, which waits for every process
+        self._answers: dict[int, queue.Queue[dict[str, Any]]] = {process_id: queue.Queue()
+                                                                 for process_id in self.followers}
         for process_id, sock in self.followers.items():
             threading.Thread(target=self._watch, args=(process_id, sock), daemon=True,
                              name=f"lockstep-watch-{process_id}").start()
@@ -208,9 +212,16 @@ class Leader:
         return followers
 
     def _watch(self, process_id: int, sock: socket.socket) -> None:
-        """Followers never send after hello: any read returning means the connection is gone."""
-        with contextlib.suppress(OSError):
-            sock.recv(1)
+        """Queues the follower's answers to `load` until its connection closes, which means it is gone."""
+        while True:
+            try:
+                frame = receive(sock, limit=HELLO_LIMIT)
+            except (OSError, ValueError):
+                frame = None
+            if frame is None:
+                break
+            self._answers[process_id].put(frame[0])
+        self._answers[process_id].put({"op": "lost"})
         if not self.stopping:
             self.on_follower_lost(f"follower process {process_id} left the group (its control connection "
                                   "closed); the leader stops")
@@ -225,9 +236,19 @@ class Leader:
                         self.on_follower_lost(f"follower process {process_id} is unreachable ({error}); "
                                               "the leader stops")
 
-    def begin_load(self) -> None:
-        """Lets the followers load the model: loading places arrays with collectives, so all load together."""
-        self._send(encode({"op": "load"}, {}))
+    def begin_load(self, checkpoints: dict[str, Any]) -> dict[int, str]:
+        """Lets the followers load the model (loading can run collectives, so all load together);
+        `checkpoints`: what the leader loads, for each follower to check it reads the same. Returns
+        each refusing follower's reason (empty: all load); refusing followers wait for `stop`."""
+        self._send(encode({"op": "load", "checkpoints": checkpoints}, {}))
+        refusals = {}
+        for process_id, answers in self._answers.items():
+            answer = answers.get()
+            if answer.get("op") == "refuse":
+                refusals[process_id] = str(answer.get("reason", ""))[:HELLO_LIMIT]
+            elif answer.get("op") != "ready":
+                refusals[process_id] = "it left the group while the model loaded"
+        return refusals
 
     def step(self, number: int, previous: int, arrays: dict[str, np.ndarray]) -> None:
         """Sends step `number` (its inputs; `previous`: the step whose sampled ids it reads, -1: none)."""
@@ -278,9 +299,23 @@ class Follower:
         """Leaves the group (a follower that failed): the leader sees end-of-file and stops."""
         self.sock.close()
 
-    def await_load(self) -> None:
-        """Waits until the leader loads the model; raises LeaderStopped if it stops first."""
-        self._expect("load")
+    def await_load(self) -> dict[str, Any]:
+        """Waits until the leader loads the model and returns what it loads (`begin_load`'s
+        `checkpoints`); raises LeaderStopped if it stops first."""
+        header, _ = self._expect("load")
+        return header["checkpoints"]
+
+    def answer_load(self, refusal: str = "") -> None:
+        """Tells the leader this follower loads (`refusal` empty) or why it does not; a refusing
+        follower then waits for the leader's `stop`, so the group leaves the coordination service
+        together instead of the leader exiting under the follower's shutdown."""
+        if not refusal:
+            self.sock.sendall(encode({"op": "ready"}, {}))
+            return
+        self.sock.sendall(encode({"op": "refuse", "reason": refusal[: HELLO_LIMIT // 2]}, {}))
+        while self._receive()[0]["op"] != "stop":
+            pass
+        self.sock.close()
 
     def replay_next_call(self, call: Callable[[str, dict[str, Any], dict[str, np.ndarray]], None]) -> None:
         """Replays the next message, which must be a call (the leader loading what its config names)."""
