@@ -131,10 +131,10 @@ class LLM:
         try:  # a refusal, even for missing files, goes to the leader, which stops the group in order
             check_same_as_leader(leader_checkpoints, load_fingerprints(model, cfg.draft_model),
                                  self.group.process_id)
-        except JaxinferError as error:
-            self.follower.answer_load(str(error))
+        except Exception as error:
+            self.follower.answer_load(str(error) if isinstance(error, JaxinferError) else repr(error))
             raise
-        self.follower.answer_load()
+        self.follower.answer_load()  # returns when every follower is ready; LeaderStopped otherwise
 
     def _load(self, model: str | Path, cfg: EngineConfig) -> None:
         enable_compilation_cache(cfg.compilation_cache_dir)

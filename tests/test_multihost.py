@@ -84,7 +84,7 @@ class Group:
     """`python -m jaxinfer.batch` started as processes 0..n-1 of one group; stderr goes to files."""
 
     def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run",
-                 follower_args: tuple[str, ...] = ()):
+                 own_args: dict[int, tuple[str, ...]] | None = None):
         self.port = free_port()
         self.logs = [workdir / f"{name}-{i}.log" for i in range(processes)]
         self.output = workdir / f"{name}.jsonl"
@@ -93,7 +93,7 @@ class Group:
         self.procs = []
         for i, log_path in enumerate(self.logs):
             with open(log_path, "w") as log_file:
-                own = ("--process-id", str(i), *(follower_args if i else ()))
+                own = ("--process-id", str(i), *(own_args or {}).get(i, ()))
                 self.procs.append(subprocess.Popen(
                     [sys.executable, "-m", "jaxinfer.batch", *args, *own], cwd=REPO,
                     env=cpu_env(DEVICES_PER_PROCESS), stdout=subprocess.DEVNULL, stderr=log_file))
@@ -258,21 +258,24 @@ def test_leader_stop_ends_followers_cleanly(workdir, groups):
 
 def test_a_follower_with_other_weights_stops_the_group_before_loading(workdir, groups):
     """Each process reads its own copy of the checkpoint, and placing weights compares nothing across
-    processes: a follower given other files (the orbax conversion; the leader reads the GGUF) refuses
-    to load, naming both fingerprints; it tells the leader why and waits for its stop, so both exit
-    with the error (not an abort in the coordination service's shutdown)."""
+    processes: of three processes, follower 2 is given other files (the orbax conversion; the others
+    read the GGUF). It refuses to load, naming both fingerprints, and waits for the leader's stop;
+    follower 1, ready, never starts loading alone. All exit in order (no abort in the coordination
+    service's shutdown, no follower stuck in a collective)."""
     from jaxinfer.weights.fingerprint import fingerprint
     from jaxinfer.weights.registry import resolve
 
-    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="other-weights",
-                  follower_args=("--model", str(workdir / "orbax")))
+    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="other-weights", processes=3,
+                  own_args={2: ("--model", str(workdir / "orbax"))})
     groups.append(group)
-    assert group.wait(1) == 2, group.log(1)[-3000:]
-    log = group.log(1)
+    assert group.wait(2) == 2, group.log(2)[-3000:]
+    log = group.log(2)
     assert "other files than the leader's (process 0) 'smollm2-135m'" in log, log[-3000:]
     assert fingerprint(workdir / "orbax") in log and fingerprint(resolve("smollm2-135m").path) in log
     assert group.wait(0, timeout=120) == 2, group.log(0)[-3000:]
-    assert "error: follower process 1 refused to load: model: process 1 reads" in group.log(0)
+    assert "error: follower process 2 refused to load: model: process 2 reads" in group.log(0)
+    assert group.wait(1, timeout=120) == 0, group.log(1)[-3000:]
+    assert "process 1: replayed 0 steps" in group.log(1) and "loaded smollm2" not in group.log(1)
     assert not group.output.exists()
 
 
@@ -379,9 +382,11 @@ shardings = [NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, Partition
 mark = XLA_COMPILES.mark()
 placed = [to_devices(host, sharding) for sharding in shardings]
 half = host.astype(jax.numpy.bfloat16)
-scalar, placed_half = to_devices((np.int32(7), half), shardings[0])
+scalar, placed_half, wide = to_devices((np.int32(7), half, np.arange(4, dtype=np.int64)), shardings[0])
 compiles_to_devices = XLA_COMPILES.since(mark)
 tree = dict(scalar=[int(scalar.addressable_data(0)), list(scalar.shape), str(scalar.dtype)],
+            wide=[str(wide.dtype), str(jax.device_put(np.arange(4, dtype=np.int64)).dtype),
+                  np.asarray(wide.addressable_data(0)).tolist()],
             half=[str(placed_half.dtype),
                   all(np.array_equal(np.asarray(shard.data), half) for shard in placed_half.addressable_shards)])
 local = [[np.array_equal(np.asarray(shard.data), host[shard.index]) for shard in array.addressable_shards]
@@ -398,8 +403,8 @@ print(json.dumps(dict(local=local, total=float(total.addressable_data(0)), tree=
 
 def test_host_arrays_reach_a_two_process_mesh_without_a_cross_process_check():
     """to_devices places each process's own copy: the right slice on every local device (also for 0-d and
-    bfloat16 leaves of a tree), usable by a program over both processes, and no compiled check
-    (jax.device_put compiles one for the same array)."""
+    bfloat16 leaves of a tree, and int64 narrowed as device_put narrows it), usable by a program over
+    both processes, and no compiled check (jax.device_put compiles one for the same array)."""
     port = free_port()
     procs = [subprocess.Popen([sys.executable, "-c", TRANSFER_CHILD, str(port), str(i)], cwd=REPO,
                               env=cpu_env(DEVICES_PER_PROCESS), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -412,6 +417,7 @@ def test_host_arrays_reach_a_two_process_mesh_without_a_cross_process_check():
         assert result["shards"] == [DEVICES_PER_PROCESS, DEVICES_PER_PROCESS]
         assert result["local"] == [[True] * DEVICES_PER_PROCESS] * 2
         assert result["total"] == 2 * sum(range(6 * 8))
-        assert result["tree"] == {"scalar": [7, [], "int32"], "half": ["bfloat16", True]}  # 0-d and bf16 leaves keep
+        assert result["tree"] == {"scalar": [7, [], "int32"], "half": ["bfloat16", True],  # 0-d and bf16 leaves keep
+                                  "wide": ["int32", "int32", [0, 1, 2, 3]]}  # int64 narrows as device_put's
         assert result["compiles_to_devices"] == 0
         assert result["compiles_device_put"] > 0  # what to_devices avoids: JAX's check of every process's copy

@@ -18,11 +18,13 @@ Output: one JSON line each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -174,10 +176,25 @@ def bench_put(args: argparse.Namespace) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    children = [subprocess.Popen([sys.executable, "-c", PUT_CHILD, str(port), str(process_id), str(args.repeats),
-                                  str(REPO)], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True) for process_id in (0, 1)]
-    outputs = [child.communicate(timeout=1800) for child in children]
+    with tempfile.TemporaryDirectory() as logs:
+        # Files, not pipes: a child blocked on a full pipe would leave the other waiting in a collective.
+        paths = [Path(logs, f"{process_id}.{stream}") for process_id in (0, 1) for stream in ("out", "err")]
+        with contextlib.ExitStack() as files:
+            streams = [files.enter_context(open(path, "w")) for path in paths]
+            children = [subprocess.Popen([sys.executable, "-c", PUT_CHILD, str(port), str(process_id),
+                                          str(args.repeats), str(REPO)], env=env, cwd=REPO,
+                                         stdout=streams[2 * process_id], stderr=streams[2 * process_id + 1])
+                        for process_id in (0, 1)]
+            try:
+                deadline = time.monotonic() + 1800
+                for child in children:
+                    child.wait(timeout=max(1.0, deadline - time.monotonic()))
+            finally:
+                for child in children:
+                    if child.poll() is None:
+                        child.kill()
+                        child.wait()
+        outputs = [(paths[2 * i].read_text(), paths[2 * i + 1].read_text()) for i in (0, 1)]
     for child, (_, stderr) in zip(children, outputs, strict=True):
         if child.returncode != 0:
             raise SystemExit(stderr[-3000:])

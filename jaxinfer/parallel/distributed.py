@@ -80,15 +80,17 @@ def initialize(group: ProcessGroup) -> ProcessGroup:
     On the CPU, cross-process collectives go through gloo; the setting does nothing on GPU and TPU."""
     if not group.distributed:
         return group
-    if not jax.distributed.is_initialized():
+    first_join = not jax.distributed.is_initialized()
+    if first_join:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         if group.coordinator == AUTO:
             jax.distributed.initialize()
         else:
             jax.distributed.initialize(group.coordinator, group.num_processes, group.process_id)
     joined = dataclasses.replace(group, num_processes=jax.process_count(), process_id=jax.process_index())
-    log.info("process %d of %d joined; %d local of %d devices", joined.process_id, joined.num_processes,
-             jax.local_device_count(), jax.device_count())
+    if first_join:  # callers that join an already joined group (the batch runner, then `LLM`) log once
+        log.info("process %d of %d joined; %d local of %d devices", joined.process_id, joined.num_processes,
+                 jax.local_device_count(), jax.device_count())
     return joined
 
 

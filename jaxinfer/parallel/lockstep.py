@@ -9,8 +9,9 @@ replicated over the mesh, so the leader reads them from its own devices.
 The channel also carries the group's life: the leader sends `stop` when it shuts down and the
 followers exit cleanly; a follower that reads end-of-file (the leader died) exits non-zero; the
 leader exits non-zero at once when a follower's connection drops, since its next collective would
-wait for that follower forever. Followers answer only `load` (ready, or a refusal with its reason):
-a refusing follower waits for the leader's `stop`, so both leave the coordination service in order.
+wait for that follower forever. Followers answer only `load` (ready, or a refusal with its reason);
+the leader then sends `go` when all are ready, else `stop`, so no follower starts loading alone and
+a refusing follower leaves the coordination service in order with the rest.
 The leader publishes its address and a one-time token in the coordination service's key-value
 store, so only members of the group can connect.
 
@@ -49,6 +50,8 @@ FOLLOWER_LOST_EXIT = 3  # the leader's exit status when a follower goes away
 LEADER_LOST_EXIT = 4  # a follower's exit status when the leader goes away without `stop`
 DIVERGED_EXIT = 5  # the leader's exit status when it failed to run a step it had sent
 HELLO_LIMIT = 4096  # bytes of a follower's hello: anything larger is not one
+ANSWER_LIMIT = 1 << 16  # bytes of a follower's answer to `load` (a refusal's reason, JSON-escaped)
+REASON_CHARS = 4000  # a refusal's reason is cut to this; JSON escapes a character to at most 12 bytes
 KEPT_RESULTS = 8  # a follower keeps this many recent steps' sampled ids (later steps may read them)
 _FRAME = struct.Struct(">II")
 _connections = 0
@@ -159,6 +162,7 @@ class Leader:
     def __init__(self, group: ProcessGroup, accept_timeout: float = 600.0,
                  on_follower_lost: Callable[[str], None] | None = None):
         self.group = group
+        self.answer_timeout = accept_timeout
         self.stopping = False
         self.on_follower_lost = on_follower_lost or (lambda message: _exit_now(message, FOLLOWER_LOST_EXIT))
         self._lock = threading.Lock()
@@ -215,7 +219,7 @@ class Leader:
         """Queues the follower's answers to `load` until its connection closes, which means it is gone."""
         while True:
             try:
-                frame = receive(sock, limit=HELLO_LIMIT)
+                frame = receive(sock, limit=ANSWER_LIMIT)
             except (OSError, ValueError):
                 frame = None
             if frame is None:
@@ -238,16 +242,25 @@ class Leader:
 
     def begin_load(self, checkpoints: dict[str, Any]) -> dict[int, str]:
         """Lets the followers load the model (loading can run collectives, so all load together);
-        `checkpoints`: what the leader loads, for each follower to check it reads the same. Returns
-        each refusing follower's reason (empty: all load); refusing followers wait for `stop`."""
+        `checkpoints`: what the leader loads, for each follower to check it reads the same.
+
+        Two phases, so no follower starts loading (which runs collectives) unless all will: every
+        follower answers, then the leader sends `go` when all are ready. Returns each refusing
+        follower's reason (empty: all load); on refusals the caller stops the group (`stop`)."""
         self._send(encode({"op": "load", "checkpoints": checkpoints}, {}))
+        deadline = time.monotonic() + self.answer_timeout
         refusals = {}
         for process_id, answers in self._answers.items():
-            answer = answers.get()
+            try:
+                answer = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                answer = {"op": "refuse", "reason": f"no answer to load within {self.answer_timeout:.0f}s"}
             if answer.get("op") == "refuse":
-                refusals[process_id] = str(answer.get("reason", ""))[:HELLO_LIMIT]
+                refusals[process_id] = str(answer.get("reason", ""))[:REASON_CHARS]
             elif answer.get("op") != "ready":
-                refusals[process_id] = "it left the group while the model loaded"
+                refusals[process_id] = "it left the group before loading"
+        if not refusals:
+            self._send(encode({"op": "go"}, {}))
         return refusals
 
     def step(self, number: int, previous: int, arrays: dict[str, np.ndarray]) -> None:
@@ -306,13 +319,16 @@ class Follower:
         return header["checkpoints"]
 
     def answer_load(self, refusal: str = "") -> None:
-        """Tells the leader this follower loads (`refusal` empty) or why it does not; a refusing
-        follower then waits for the leader's `stop`, so the group leaves the coordination service
-        together instead of the leader exiting under the follower's shutdown."""
+        """Tells the leader this follower loads (`refusal` empty) or why it does not.
+
+        A ready follower returns on the leader's `go` and raises LeaderStopped on `stop` (another
+        follower refused). A refusing follower waits for `stop`, so the group leaves the coordination
+        service together instead of the leader exiting under the follower's shutdown."""
         if not refusal:
             self.sock.sendall(encode({"op": "ready"}, {}))
+            self._expect("go")
             return
-        self.sock.sendall(encode({"op": "refuse", "reason": refusal[: HELLO_LIMIT // 2]}, {}))
+        self.sock.sendall(encode({"op": "refuse", "reason": refusal[:REASON_CHARS]}, {}))
         while self._receive()[0]["op"] != "stop":
             pass
         self.sock.close()

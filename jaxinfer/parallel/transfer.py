@@ -10,8 +10,10 @@ each process's slices onto its own devices as `device_put` does, minus the compa
 process it is `jax.device_put`.
 
 Only host (numpy) leaves skip the check: a `jax.Array` leaf goes through `jax.device_put` as it is.
-Nothing checks any more that the processes' copies are equal, so a process group that read
-different checkpoints is not caught here (the leader's frames are equal by construction).
+Nothing here checks that the processes' copies are equal: the leader's frames are equal by
+construction, and a group compares its checkpoints' fingerprints before loading
+(`weights/fingerprint.py`). 64-bit leaves narrow as `device_put` narrows them (unless x64 is on);
+a Python scalar becomes a strongly typed array, not a weakly typed one.
 """
 
 from __future__ import annotations
@@ -36,4 +38,7 @@ def _from_local_copy(leaf: Any, sharding: Sharding) -> jax.Array:
     if isinstance(leaf, jax.Array):
         return jax.device_put(leaf, sharding)
     local = np.asarray(leaf)
-    return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index], dtype=local.dtype)
+    # 64-bit to 32-bit unless x64 is on, as device_put; a Python scalar becomes a strongly typed array.
+    dtype = jax.dtypes.canonicalize_dtype(local.dtype)
+    return jax.make_array_from_callback(local.shape, sharding, lambda index: local[index].astype(dtype, copy=False),
+                                        dtype=dtype)

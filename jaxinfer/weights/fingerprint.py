@@ -1,10 +1,16 @@
 """A checkpoint's content fingerprint: do two processes, or two runs, read the same weights?
 
-Hashing every byte of an 8B checkpoint takes tens of seconds; the fingerprint instead hashes each
-file's relative path, its size and evenly spaced samples of its bytes (a fine-tune or a different
-quantization changes bytes everywhere, so the samples differ). It reads a few hundred KB per file,
-so it is cheap enough to compute on every load, and it depends on the content only: not on where
-the files lie, their modification times, or the registry name that led to them.
+The fingerprint hashes every byte of the checkpoint's files (BLAKE2b) with their paths relative to
+the checkpoint and their sizes. It depends on the content only: not on where the files lie, their
+modification times, or the registry name that led to them. A partial hash (samples of each file)
+would miss a fine-tune that changed a few tensors of a same-size file, and the KV store serves
+pages by this key, so a miss would be stale pages computed with other weights.
+
+Hashing a 16 GB checkpoint reads it once (seconds to tens of seconds), so each file's digest is
+cached under `$JAXINFER_FINGERPRINT_CACHE` (default `~/.cache/jaxinfer/fingerprints`; "off"
+disables it), keyed by the file's real path, device, inode, size and modification time in
+nanoseconds: a rewritten file gets a new key. An edit that restores the size and modification time
+by hand is not seen while its cache entry lives.
 
 Uses: the processes of a group compare their fingerprints before loading (each reads its own copy
 of the checkpoint, and nothing else would catch copies that differ), and the KV store keys pages by
@@ -14,52 +20,94 @@ it, so workers on different hosts with the same files share pages.
 from __future__ import annotations
 
 import hashlib
+import os
+import tempfile
 from pathlib import Path
 
 from jaxinfer.errors import CheckpointError
 from jaxinfer.weights.registry import resolve
 
-SAMPLE_BYTES = 1 << 16
-SAMPLES_PER_FILE = 8
 DIGEST_CHARS = 16
+READ_BYTES = 1 << 22
+ENV_CACHE = "JAXINFER_FINGERPRINT_CACHE"
+# Other frameworks' copies of the weights that a download may carry next to the ones read here
+# (`original/consolidated.00.pth` in Llama repositories); notes and hidden caches are not weights either.
+NOT_READ_SUFFIXES = frozenset({".md", ".pth", ".pt", ".bin", ".h5", ".msgpack", ".onnx", ".ckpt"})
 
 
 def fingerprint(path: str | Path) -> str:
-    """The fingerprint of a checkpoint file or folder (hex); hidden entries and Markdown are ignored."""
+    """The fingerprint of a checkpoint file or folder (hex). A single file is hashed without its name."""
     root = Path(path)
-    files = [root] if root.is_file() else sorted(_content_files(root))
-    digest = hashlib.sha256()
-    for file in files:
-        name = file.name if file == root else file.relative_to(root).as_posix()
-        try:
-            _hash_file(digest, name, file)
-        except OSError as error:
-            raise CheckpointError(f"{file}: cannot be read for its fingerprint ({error})") from None
+    try:
+        files = [("", root)] if root.is_file() else _content_files(root)
+        if not files:
+            raise CheckpointError(f"{path}: the folder holds no checkpoint files")
+        digest = hashlib.sha256()
+        for name, file in files:
+            size, file_digest = _file_digest_cached(file)
+            digest.update(f"{name}\0{size}\0{file_digest}\0".encode())
+    except OSError as error:
+        raise CheckpointError(f"{path}: cannot be read for its fingerprint ({error})") from None
     return digest.hexdigest()[:DIGEST_CHARS]
 
 
-def _content_files(root: Path) -> list[Path]:
-    """Files under `root` that hold the model: not caches, locks or notes (`.cache/`, README.md)."""
-    return [file for file in root.rglob("*")
-            if file.is_file() and not any(part.startswith(".") for part in file.relative_to(root).parts)
-            and file.suffix != ".md"]
+def _content_files(root: Path) -> list[tuple[str, Path]]:
+    """(relative name, path) of the files under `root` that hold the model, sorted by name; symlinked
+    folders are followed once each."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"no such file or folder: {root}")
+    found, seen = [], set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:  # a link back up the tree
+            subfolders.clear()
+            continue
+        seen.add(real)
+        subfolders[:] = [name for name in subfolders if not name.startswith(".")]
+        for name in names:
+            file = Path(folder, name)
+            if not name.startswith(".") and file.suffix not in NOT_READ_SUFFIXES and file.is_file():
+                found.append((file.relative_to(root).as_posix(), file))
+    return sorted(found)
 
 
-def _hash_file(digest: hashlib._Hash, name: str, file: Path) -> None:
-    size = file.stat().st_size
-    digest.update(f"{name}\0{size}\0".encode())
+def _file_digest_cached(file: Path) -> tuple[int, str]:
+    """(size, BLAKE2b hex digest) of a file, from the cache when its identity has not changed."""
+    stat = file.stat()
+    cache = _cache_dir()
+    key = f"{os.path.realpath(file)}\0{stat.st_dev}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    entry = cache / hashlib.sha256(key.encode()).hexdigest() if cache else None
+    if entry is not None and entry.is_file():
+        return stat.st_size, entry.read_text().strip()
+    digest = _file_digest(file)
+    if entry is not None:
+        _write_quietly(entry, digest)
+    return stat.st_size, digest
+
+
+def _file_digest(file: Path) -> str:
+    digest = hashlib.blake2b()
     with open(file, "rb") as stream:
-        for offset in _sample_offsets(size):
-            stream.seek(offset)
-            digest.update(stream.read(SAMPLE_BYTES))
+        while chunk := stream.read(READ_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
-def _sample_offsets(size: int) -> list[int]:
-    """Where the samples start: the whole file when it is small, else evenly spaced, ending at its end."""
-    if size <= SAMPLE_BYTES * SAMPLES_PER_FILE:
-        return list(range(0, size, SAMPLE_BYTES))
-    last = size - SAMPLE_BYTES
-    return [last * i // (SAMPLES_PER_FILE - 1) for i in range(SAMPLES_PER_FILE)]
+def _cache_dir() -> Path | None:
+    setting = os.environ.get(ENV_CACHE) or str(Path.home() / ".cache/jaxinfer/fingerprints")
+    return None if setting == "off" else Path(setting)
+
+
+def _write_quietly(entry: Path, digest: str) -> None:
+    """Writes a cache entry whole (another process may read it at once); a cache that cannot be
+    written only costs the next run a rehash."""
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=entry.parent, delete=False, suffix=".tmp") as temporary:
+            temporary.write(digest)
+        os.replace(temporary.name, entry)
+    except OSError:
+        pass
 
 
 def load_fingerprints(model: str | Path, draft_model: str = "") -> dict[str, dict[str, str]]:
