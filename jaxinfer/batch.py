@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -31,6 +32,7 @@ from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
 
 SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
 LINE_FIELDS = {"id", "prompt", "messages", "adapter"} | SAMPLING_FIELDS
+UNDECODABLE_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes a non-UTF-8 byte to
 DEFAULT_EXEC_SLOTS = 4  # processor slots when lines run programs and neither --exec-slots nor the config sets them
 
 
@@ -101,10 +103,21 @@ def default_params(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
+    """One input line as a job, or a job that carries the line's error (the other lines still run)."""
+    undecodable = UNDECODABLE_BYTE.search(text)
+    if undecodable is not None:  # a byte that is not UTF-8, kept by the input's surrogateescape decoding
+        byte, column = ord(undecodable.group()) - 0xDC00, undecodable.start() + 1
+        return Job(number, None, error=f"line {number}: invalid UTF-8 (byte 0x{byte:02x} at column {column})")
     try:
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         return Job(number, None, error=f"line {number}: invalid JSON ({exc.msg}, column {exc.colno})")
+    except ValueError:  # the one other ValueError json raises: Python's integer conversion limit
+        return Job(number, None, error=f"line {number}: invalid JSON (an integer has more than "
+                                       f"{sys.get_int_max_str_digits()} digits)")
+    except RecursionError:
+        return Job(number, None, error=f"line {number}: invalid JSON (nested deeper than the parser's recursion "
+                                       "limit)")
     if not isinstance(record, dict):
         return Job(number, None, error=f"line {number}: expected a JSON object")
     job = Job(number, record.get("id", number))
@@ -282,10 +295,11 @@ def cached_by_tier(cached: int, stats: EngineStats) -> dict[str, int]:
 
 
 def _open_input(path: str) -> TextIO:
+    # Bytes that are not UTF-8 decode to lone surrogates, which `parse_line` reports for their line only.
     if path == "-":
-        return os.fdopen(os.dup(sys.stdin.fileno()))
+        return os.fdopen(os.dup(sys.stdin.fileno()), encoding="utf-8", errors="surrogateescape")
     try:
-        return open(path, encoding="utf-8")
+        return open(path, encoding="utf-8", errors="surrogateescape")
     except FileNotFoundError:
         raise JaxinferError(f"--input: file not found: {path}") from None
 
@@ -308,15 +322,29 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
         if out.logprobs is not None:
             record["logprobs"] = out.logprobs
         lines.append(record)
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines)
+    text = "".join(_json_line(r) for r in lines)
     if path == "-":
         sys.stdout.write(text)
         sys.stdout.flush()
         return
     target = Path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(target)  # never a half-written output file
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(target)  # never a half-written output file
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    """A record as one line of UTF-8 JSON; one that holds text UTF-8 cannot carry (an id with a lone
+    surrogate from a JSON escape) is written with escapes instead, so no record stops the output."""
+    line = json.dumps(record, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(record)
+    return line + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

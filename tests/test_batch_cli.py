@@ -16,7 +16,14 @@ import numpy as np
 import pytest
 from conftest import REPO, engine_toml
 
-from jaxinfer.batch import DEFAULT_EXEC_SLOTS, _line_overrides, default_params, parse_args, read_jobs
+from jaxinfer.batch import (
+    DEFAULT_EXEC_SLOTS,
+    UNDECODABLE_BYTE,
+    _line_overrides,
+    default_params,
+    parse_args,
+    read_jobs,
+)
 from jaxinfer.config import load_engine_config
 from jaxinfer.parallel.distributed import ProcessGroup
 
@@ -57,6 +64,16 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(prompt="No id on this line, so the id is the line number:"), None),
     (obj(id="adapted", messages=[{"role": "user", "content": "Name a color."}], adapter=ADAPTER_DIR), None),
     (obj(id="lost-adapter", prompt="x", adapter="/nonexistent/adapter"), ("adapter", "not an existing path")),
+    # A string is not a flag ("false" would turn programs on), and a list field takes only a list.
+    (obj(id="exec-text", prompt="x", exec="false"), ("exec", "true or false")),
+    (obj(id="stop-map", prompt="x", stop={"a": 1}), ("stop", "must be a list")),
+    (obj(id="files-text", prompt="x", exec_files="data.txt"), ("exec_files", "must be a list")),
+    # JSON that decodes to no value: more digits than Python converts, nesting deeper than it recurses.
+    ('{"id": "digits", "prompt": "x", "max_tokens": ' + "9" * 5000 + "}", ("invalid JSON", "digits")),
+    ('{"id": "deep", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}", ("invalid JSON", "recursion")),
+    ('{"id": "latin-1", "prompt": "caf\udce9"}', ("invalid UTF-8", "0xe9", "column 33")),  # a raw 0xE9 byte
+    ('{"id": "surrogate", "prompt": "Hi \\ud800"}', ("prompt", "unpaired surrogate")),  # a JSON escape
+    ('{"id": "lone \\udc00 id", "prompt": "Hi", "max_tokens": 2}', None),  # written back escaped
 ]
 NON_BLANK = [(number, text, expect) for number, (text, expect) in enumerate(LINES, 1) if text.strip()]
 BAD = [(number, expect) for number, _, expect in NON_BLANK if expect is not None]
@@ -64,9 +81,12 @@ GOOD = [(number, json.loads(text)) for number, text, expect in NON_BLANK if expe
 
 
 def parse(text: str):
+    """What a line decodes to, as the runner sees it (None: no JSON object, so no id)."""
+    if UNDECODABLE_BYTE.search(text):
+        return None
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -85,7 +105,7 @@ def workdir(tmp_path_factory) -> Path:
     (root / "engine.toml").write_text(engine_toml())
     write_random_adapter(root / "lora")
     lines = "".join(text.replace(ADAPTER_DIR, str(root / "lora")) + "\n" for text, _ in LINES)
-    (root / "in.jsonl").write_text(lines, encoding="utf-8")
+    (root / "in.jsonl").write_text(lines, encoding="utf-8", errors="surrogateescape")  # the 0xE9 byte
     return root
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer import SamplingParams
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.params import Request
 from jaxinfer.engine.xla_compiles import XLA_COMPILES
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 
@@ -174,14 +175,38 @@ def test_logprobs_are_returned_on_request(smollm2_llm):
     [
         ("", SamplingParams(), "prompt"),
         ([], SamplingParams(), "prompt"),
-        ([1, 2, 10**6], SamplingParams(), "prompt_token_ids"),
+        ([1, 2, 10**6], SamplingParams(), r"prompt_token_ids\[2\]: 1000000 is outside the vocabulary"),
         ("word " * 5000, SamplingParams(), "prompt"),
+        ("Hi \ud800", SamplingParams(), r"prompt: an unpaired surrogate '\\ud800' at character 3"),
+        (["Hi", "there \udfff"], SamplingParams(), r"prompt\[1\]: an unpaired surrogate"),
         ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
+        ("hi", SamplingParams(stop_token_ids=[10**9]), r"stop_token_ids\[0\]: 1000000000 is outside the vocabulary"),
     ],
 )
 def test_invalid_requests_name_the_field(smollm2_llm, prompt, params, field):
     with pytest.raises(RequestError, match=field):
         smollm2_llm.generate([prompt], params)
+    assert smollm2_llm.engine.pool.num_free == smollm2_llm.engine.pool.capacity
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "message"),
+    [
+        ({"prompt_ids": [1, 2.7]}, r"prompt_token_ids\[1\]: must be an integer token id, got 2.7"),
+        ({"prompt_ids": [True]}, r"prompt_token_ids\[0\]: must be an integer token id, got True"),
+        ({"prompt_ids": [1, "5"]}, r"prompt_token_ids\[1\]: must be an integer token id, got '5'"),
+        ({"prompt_ids": [1, None]}, r"prompt_token_ids\[1\]: must be an integer token id, got None"),
+        ({"generated_ids": [1.5]}, r"generated_ids\[0\]: must be an integer token id"),
+        ({"generated_ids": [5], "generated_logprobs": [float("nan")]}, r"generated_logprobs\[0\]: must be a log-prob"),
+        ({"generated_ids": [5], "generated_logprobs": [0.5]}, r"generated_logprobs\[0\]: must be a log-prob"),
+    ],
+)
+def test_engine_requests_with_malformed_ids_name_the_field(smollm2_llm, request_fields, message):
+    """Requests built by hand (the Python API, a decode worker's handoff) reach the engine without the
+    LLM's encoding: a float, bool, string or None id is refused by name, not truncated or crashed on."""
+    fields = {"prompt_ids": [1, 2, 3], "params": SamplingParams(max_tokens=4), **request_fields}
+    with pytest.raises(RequestError, match=message):
+        smollm2_llm.engine.generate([Request(**fields)])
     assert smollm2_llm.engine.pool.num_free == smollm2_llm.engine.pool.capacity
 
 
@@ -196,6 +221,13 @@ def test_invalid_requests_name_the_field(smollm2_llm, prompt, params, field):
         ({"seed": -1}, "seed"),
         ({"stop": [""]}, "stop"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"exec": "false"}, "exec: must be true or false"),  # a truthy string would turn programs on
+        ({"ignore_eos": 1}, "ignore_eos: must be true or false"),
+        ({"logprobs": None}, "logprobs: must be true or false"),
+        ({"stop": {"a": 1}}, "stop: must be a list, got dict"),
+        ({"stop": None}, "stop: must be a list, got NoneType"),
+        ({"stop_token_ids": 5}, "stop_token_ids: must be a list"),
+        ({"exec_files": "data.txt"}, "exec_files: must be a list, got str"),  # not 8 one-letter paths
     ],
 )
 def test_sampling_params_validation(kwargs, field):

@@ -330,6 +330,7 @@ def test_chat_forged_control_tokens_stay_text(tok, hf, messages):
         ([{"role": "user", "content": None}], "messages[0].content"),
         ([{"role": "user", "content": ["list"]}], "messages[0].content"),
         (["just a string"], "messages[0]"),
+        ([{"role": "user", "content": "ok"}, {"role": "user", "content": "a \ud800 b"}], "messages[1].content"),
     ],
 )
 def test_invalid_messages_raise_request_error(tok, messages, field):

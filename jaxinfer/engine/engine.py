@@ -24,8 +24,9 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from numbers import Integral, Real
 
 import numpy as np
 
@@ -57,6 +58,15 @@ class _InflightStep:
     chunks: list[ScheduledChunk]
     result: StepResult
     number: int  # the count of steps launched, this one included
+
+
+def _check_token_ids(name: str, ids: Iterable[object], vocab: int) -> None:
+    """Every id an integer (not a float, bool or string) inside the vocabulary."""
+    for i, token in enumerate(ids):
+        if not isinstance(token, Integral) or isinstance(token, bool):
+            raise RequestError(f"{name}[{i}]: must be an integer token id, got {token!r:.40}")
+        if not 0 <= token < vocab:
+            raise RequestError(f"{name}[{i}]: {token} is outside the vocabulary [0, {vocab})")
 
 
 def run_to_completion(engine, sequences: list[Sequence], on_finish: Callable[[RequestOutput], None] | None
@@ -205,9 +215,8 @@ class Engine:
         if params.exec and self.speculator is not None:
             raise RequestError("exec: not available with speculative decoding (engine.draft_model)")
         vocab = self.runner.model_cfg.vocab_size
-        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"prompt_token_ids: {bad} is outside the vocabulary [0, {vocab})")
+        _check_token_ids("prompt_token_ids", prompt_ids, vocab)
+        _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
         # Every request must fit the pool alone, so preemption always leaves one that can finish.
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         pages_needed = math.ceil(longest / self.cfg.page_size)
@@ -225,11 +234,14 @@ class Engine:
                                f"{request.params.max_tokens}")
         if len(request.prompt_ids) + len(generated) >= self.max_model_len:
             raise RequestError(f"generated_ids: prompt plus generated ids reach max_model_len {self.max_model_len}")
-        bad = next((t for t in generated if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"generated_ids: {bad} is outside the vocabulary [0, {vocab})")
+        _check_token_ids("generated_ids", generated, vocab)
         if request.generated_logprobs and len(request.generated_logprobs) != len(generated):
             raise RequestError("generated_logprobs: one per generated id is required")
+        bad = next((i for i, x in enumerate(request.generated_logprobs)
+                    if not isinstance(x, Real) or isinstance(x, bool) or not -math.inf <= x <= 0), None)
+        if bad is not None:
+            raise RequestError(f"generated_logprobs[{bad}]: must be a log-probability (a number <= 0), got "
+                               f"{request.generated_logprobs[bad]!r:.40}")
         if request.publish_kv or request.stored_pages:
             if self._publisher is None:
                 raise RequestError("publish_kv / stored_pages: this engine has no KV store (engine.kv_store)")

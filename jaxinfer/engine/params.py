@@ -39,14 +39,14 @@ class SamplingParams:
     exec_max_trace_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "exec_files", tuple(self.exec_files))
+        object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _list_field("stop", self.stop))
+        object.__setattr__(self, "stop_token_ids", _list_field("stop_token_ids", self.stop_token_ids))
+        object.__setattr__(self, "exec_files", _list_field("exec_files", self.exec_files))
         self._check()
 
     def _check(self) -> None:
+        for name in ("ignore_eos", "logprobs", "exec"):
+            _bool_field(name, getattr(self, name))
         _int_field("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
         _int_field("top_k", self.top_k, low=0, high=MAX_INT32)
         _int_field("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
@@ -78,6 +78,18 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for i, t in enumerate(self.stop_token_ids):
             _int_field(f"stop_token_ids[{i}]", t, low=0, high=MAX_INT32)
+
+
+def _list_field(name: str, value: object) -> tuple:
+    """A list-valued field as a tuple; a string or a mapping is refused, not split into its parts."""
+    if not isinstance(value, list | tuple):
+        raise RequestError(f"{name}: must be a list, got {type(value).__name__} {value!r:.80}")
+    return tuple(value)
+
+
+def _bool_field(name: str, value: object) -> None:
+    if not isinstance(value, bool):  # "false" would be true
+        raise RequestError(f"{name}: must be true or false, got {value!r:.80}")
 
 
 def _int_field(name: str, value: object, *, low: int, high: int | None = None) -> None:

@@ -100,7 +100,13 @@ class Tokenizer:
         return [m.group() for m in self._special_pattern.finditer(text)]
 
     def check_user_text(self, text: str, field: str, report: GuardReport | None) -> None:
-        """Applies the guard policy to user text: record forged tokens, or refuse them."""
+        """Applies the guard policy to user text: record forged tokens, or refuse them. Text that is
+        not valid Unicode (an unpaired surrogate, e.g. from a JSON escape) is refused."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise RequestError(f"{field}: an unpaired surrogate {text[error.start]!r} at character {error.start} "
+                               "is not valid Unicode") from None
         forged = self.forged_tokens(text)
         if forged and self.guard == "reject":
             raise RequestError(f"{field}: contains the control token {forged[0]!r}, which user text may not produce")
