@@ -35,9 +35,24 @@ def test_pool_reference_counts_and_lru_eviction():
     pool.free(first)
     assert pool.num_free == 4 and pool.num_cached == 2  # free but still cached
     other = pool.allocate(3)  # two never-used pages, then the least recently freed cached page
-    assert first[0] in other and pool.lookup(keys) == []  # the chain lost its first page
+    # A sequence's pages are released last page first, so eviction takes the chain's end and its head
+    # stays a hit (evicting the head would strand the rest: unreachable, yet still cached).
+    assert first[1] in other and first[0] not in other
+    assert pool.lookup(keys) == [first[0]]
+    pool.free([first[0]])
     with pytest.raises(AssertionError):
-        pool.free([first[1]])  # refcount already 0
+        pool.free([first[0]])  # refcount already 0
+
+
+def test_a_released_prefix_is_evicted_from_its_end():
+    pool = PrefixCachingPool(5)  # pages 1..4
+    keys = chain_keys(list(range(48)), 16)
+    pages = pool.allocate(3)
+    for page, key in zip(pages, keys, strict=True):
+        pool.register(page, key)
+    pool.free(pages)
+    pool.allocate(2)  # the one never-used page and the chain's last page
+    assert pool.num_cached == 2 and pool.lookup(keys) == pages[:2]
 
 
 def requests(llm, texts, salt="", system=SYSTEM):

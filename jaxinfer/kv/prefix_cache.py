@@ -80,7 +80,10 @@ class PrefixCachingPool:
         return evicted
 
     def free(self, pages: Sequence[int]) -> None:
-        for page in pages:
+        """Drops a reference to each of a sequence's `pages` (in order). The last page is released
+        first, so eviction takes a cached prefix from its end: its head stays reachable by `lookup`
+        (a prefix that lost its first page could never be hit again, yet would keep its other pages)."""
+        for page in reversed(pages):
             self._refs[page] -= 1
             assert self._refs[page] >= 0, f"page {page} freed twice"
             if self._refs[page] == 0:
