@@ -183,7 +183,8 @@ class Scheduler:
         in one batch), waiting for it is cheaper than computing it twice.
         """
         page_size = self.cfg.page_size
-        keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.cache_salt)
+        # With the cache off nothing is looked up or waited for: no keys, so no pending pages either.
+        keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.cache_salt) if self.prefix_caching else []
         usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
         if self._reading_store(seq, keys[:usable]):
             return False
