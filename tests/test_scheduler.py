@@ -78,6 +78,56 @@ def test_overlap_with_preemption_matches_and_frees_every_page(smollm2_llm, reque
     assert not engine.has_unfinished()
 
 
+def shared_prefix_workload(llm, n: int, seed: int) -> list:
+    """Requests on three system prompts (one or two pages shared, some prompts identical) that end by
+    length, by a seeded sample's length, or by a stop string."""
+    rng = random.Random(seed)
+    systems = [" ".join(rng.choice(WORDS) for _ in range(words)) for words in (12, 30, 60)]
+    requests = []
+    for i in range(n):
+        text = rng.choice(systems)
+        if rng.random() < 0.6:
+            text += " " + " ".join(rng.choice(WORDS) for _ in range(rng.choice([1, 3, 8])))
+        params = [SamplingParams(max_tokens=rng.randint(1, 16), temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=rng.randint(4, 24), temperature=0.8, seed=i, ignore_eos=True),
+                  SamplingParams(max_tokens=16, temperature=0.0, stop=[" the", "."])][i % 3]
+        requests.append(llm.request(text, params))
+    return requests
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_page_books_stay_sound_under_aborts_preemption_and_shared_prefixes(smollm2_llm, overlap):
+    """Random arrivals and aborts (of waiting, preempted, running and finished requests) on a small
+    pool with the prefix cache on: after every step and abort each page's references equal its
+    holders and no page is lost; the requests not aborted give what they give alone."""
+    requests = shared_prefix_workload(smollm2_llm, 14, seed=1)
+    reference = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, prefix_caching=False)
+    alone = [summary(reference.generate([r]))[0] for r in requests]
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, async_scheduling=overlap)
+    rng, pending, outputs, sequences, aborted = random.Random(8), list(range(len(requests))), {}, {}, set()
+    with engine.pool.hold(keep_free=24) as held:
+        while pending or engine.has_unfinished():
+            for _ in range(min(len(pending), rng.choice([0, 1, 2]) if engine.has_unfinished() else 1)):
+                number = pending.pop(0)
+                sequences[number] = engine.add_request(requests[number])
+            if sequences and rng.random() < 0.3:
+                number = rng.choice(sorted(sequences))
+                if engine.abort(sequences[number].index) is not None:
+                    aborted.add(number)
+                assert engine.scheduler.accounting_errors(held) == []
+            by_index = {seq.index: number for number, seq in sequences.items()}
+            for output in engine.step():
+                number = by_index[output.index]
+                assert number not in outputs, "one output per request"
+                outputs[number] = output
+            assert engine.scheduler.accounting_errors(held) == []
+    assert engine.stats.preemptions > 0 and aborted and engine.stats.prefix_hit_tokens > 0
+    assert engine.pool.num_free == engine.pool.capacity and engine.scheduler.accounting_errors() == []
+    for number, output in outputs.items():
+        if number not in aborted:
+            assert summary([output])[0] == alone[number], number
+
+
 def test_overlap_reads_a_step_back_only_after_dispatching_the_next(smollm2_llm):
     request = smollm2_llm.request("Say hi.", SamplingParams(max_tokens=1, temperature=0.0))
     serial = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, async_scheduling=False)

@@ -24,10 +24,12 @@ until the id is read back.
 
 from __future__ import annotations
 
+import collections
+import itertools
 import logging
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -83,6 +85,16 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._release(seq)
+
+    def accounting_errors(self, other_holders: Iterable[int] = ()) -> list[str]:
+        """The page books checked against the sequences (empty when sound): waiting sequences hold no
+        pages, every page's references are its running holders (plus `other_holders`, pages held
+        outside the scheduler), and every page a sequence waits for has a running owner."""
+        holders = collections.Counter(itertools.chain(other_holders, *(seq.pages for seq in self.running)))
+        errors = [f"waiting request {seq.index} holds pages {seq.pages}" for seq in self.waiting if seq.pages]
+        errors += [f"a pending page's owner, request {seq.index}, is not running"
+                   for seq in set(self._pending.values()) if seq not in self.running]
+        return errors + self.pool.accounting_errors(holders)
 
     # -- one step ----------------------------------------------------------------------------
     def schedule(self, draft_room: int = 0) -> list[ScheduledChunk]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -114,11 +114,29 @@ class PrefixCachingPool:
             self._page_of[key] = page
             self._key_of[page] = key
 
+    def accounting_errors(self, holders: Mapping[int, int]) -> list[str]:
+        """Where the books disagree with `holders` (page -> how many users hold it); empty when sound:
+        each page's count equals its holders, a page nobody holds is free or cached exactly once, and
+        a held page is neither."""
+        errors = []
+        free, cached = set(self._free), set(self._cached_free)
+        if len(free) != len(self._free):
+            errors.append("a page is on the free list twice")
+        for page in range(1, self.num_pages):
+            refs, held = self._refs[page], holders.get(page, 0)
+            if refs != held:
+                errors.append(f"page {page}: {refs} references, {held} holders")
+            places = (page in free) + (page in cached)
+            if places != (0 if held else 1):
+                errors.append(f"page {page}: held {held} times, in {places} free lists")
+        return errors
+
     @contextmanager
-    def hold(self, keep_free: int) -> Iterator[None]:
-        """Takes all but `keep_free` free pages out of use for a while (to exercise a small pool)."""
+    def hold(self, keep_free: int) -> Iterator[list[int]]:
+        """Takes all but `keep_free` free pages out of use for a while (to exercise a small pool);
+        yields the pages it holds."""
         held = self.allocate(max(0, self.num_free - keep_free)) or []
         try:
-            yield
+            yield held
         finally:
             self.free(held)
