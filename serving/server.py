@@ -118,6 +118,7 @@ class InferenceServer:
         prefills = config.role == "prefill"
         self.prefill = PrefillService(self.service.admit_call, lambda: self.worker) if prefills else None
         self.worker: EngineWorker | None = None
+        self._not_serving: asyncio.Future | None = None  # health's switch to NOT_SERVING when the engine dies
         self._compiles_at_serving = 0  # XLA_COMPILES when serving began
         self._server: grpc.aio.Server | None = None  # created in `start`, on the serving event loop
         self.port = 0
@@ -166,12 +167,21 @@ class InferenceServer:
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = self.llm.new_engine()
         self._compiles_at_serving = XLA_COMPILES.mark()  # before a scrape can see the worker
-        self.worker = EngineWorker(engine, self.config.max_queued)
+        loop = asyncio.get_running_loop()
+        self.worker = EngineWorker(engine, self.config.max_queued,
+                                   on_dead=lambda _: loop.call_soon_threadsafe(self._report_not_serving))
         self.worker.start()
         self.service.attach(self.llm, self.worker)
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s", self.config.model)
+
+    def _report_not_serving(self) -> None:
+        """The engine thread died: health checks say NOT_SERVING, so load balancers route elsewhere."""
+        async def report() -> None:
+            for service in ("", SERVICE_NAME):
+                await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._not_serving = asyncio.ensure_future(report())  # kept: the loop holds tasks only weakly
 
     async def stop(self) -> None:
         """Refuses new requests, lets in-flight ones finish within the grace period, then stops."""

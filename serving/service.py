@@ -171,8 +171,9 @@ class InferenceService(pb_grpc.InferenceServicer):
             while True:
                 delta = await deltas.get()
                 if delta.error is not None:
-                    status = "error"
-                    await context.abort(grpc.StatusCode.INTERNAL, delta.error)
+                    status = "invalid" if delta.invalid else "error"
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if delta.invalid else grpc.StatusCode.INTERNAL,
+                                        delta.error)
                 last = self._observe_latency(delta, started, last)
                 yield self._response(engine_req.request_id, engine_req, delta)
                 if delta.final is not None:

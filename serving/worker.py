@@ -39,6 +39,7 @@ class Delta:
     logprobs: list[float]
     final: RequestOutput | None = None
     error: str | None = None
+    invalid: bool = False  # the error is the request's own (INVALID_ARGUMENT), not the server's (INTERNAL)
 
 
 @dataclass
@@ -63,8 +64,10 @@ class WorkerDead(JaxinferError):
 
 
 class EngineWorker:
-    def __init__(self, engine: Engine, max_queued: int = 1024):
+    def __init__(self, engine: Engine, max_queued: int = 1024, on_dead: Callable[[str], None] | None = None):
+        """`on_dead(reason)`: called on the engine thread if it stops on an unexpected error."""
         self.engine = engine
+        self.on_dead = on_dead
         self._adds: queue.Queue[_Stream] = queue.Queue(maxsize=max_queued)
         self._aborts: queue.SimpleQueue[_Stream] = queue.SimpleQueue()  # unbounded: cancel never blocks
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future]] = queue.SimpleQueue()
@@ -121,7 +124,24 @@ class EngineWorker:
         except Exception as exc:  # a bug outside the step: end every stream rather than leave them hanging
             log.exception("engine thread stopped")
             self.dead = f"{type(exc).__name__}: {exc}"
-            self._fail_all(f"engine thread stopped: {self.dead}")
+            if self.on_dead is not None:
+                self.on_dead(self.dead)
+        self._end_everything(f"engine thread stopped: {self.dead}" if self.dead else "the server stopped")
+
+    def _end_everything(self, message: str) -> None:
+        """The thread is ending: every request it holds or has queued gets `message` as its error and
+        leaves the engine (its pages freed), and every queued call fails."""
+        while True:
+            try:
+                self._adds.get_nowait().deliver(Delta("", [], [], error=message))
+            except queue.Empty:
+                break
+        while True:
+            try:
+                self._abort(self._aborts.get_nowait())
+            except queue.Empty:
+                break
+        self._fail_all(message)
         self._fail_calls(WorkerDead(f"the engine stopped: {self.dead or 'shut down'}"))
 
     def _fail_calls(self, error: Exception) -> None:
@@ -136,12 +156,10 @@ class EngineWorker:
 
     def _step(self) -> None:
         try:
-            finished = self.engine.step()
-        except Exception as exc:  # the step failed: end every stream rather than hang them
+            self._publish(self.engine.step())
+        except Exception as exc:  # the step (or handing out its tokens) failed: end every stream, not hang them
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {exc}")
-            return
-        self._publish(finished)
 
     def _take_commands(self, block: bool) -> None:
         try:
@@ -173,8 +191,12 @@ class EngineWorker:
             return
         try:
             stream.seq = self.engine.add_request(stream.request)
-        except JaxinferError as exc:
-            stream.deliver(Delta("", [], [], error=str(exc)))
+        except JaxinferError as exc:  # valid when submitted, not now (an adapter unloaded in between)
+            stream.deliver(Delta("", [], [], error=str(exc), invalid=True))
+            return
+        except Exception as exc:  # an engine bug: this request fails, the others keep running
+            log.exception("could not add request %r", stream.request.request_id)
+            stream.deliver(Delta("", [], [], error=f"could not add the request: {type(exc).__name__}: {exc}"))
             return
         stop = stream.request.params.stop
         stream.holdback = max((len(s) for s in stop), default=1) - 1
@@ -230,7 +252,7 @@ class EngineWorker:
         streams, self._streams = list(self._streams.items()), {}
         for index, stream in streams:
             try:
-                self.engine.abort(index)
                 stream.deliver(Delta("", [], [], error=message))
-            except Exception:  # the event loop may be closed already; keep failing the others
+                self.engine.abort(index)
+            except Exception:  # the event loop may be closed already, or the engine broken: fail the others
                 log.exception("could not fail request %d", index)

@@ -361,3 +361,92 @@ def test_tls_serves_secure_channels_only(smollm2_llm, server, tmp_path):
         assert plain.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         running.close()
+
+
+def test_a_request_the_engine_fails_to_add_ends_alone_with_a_status(smollm2_llm, server, monkeypatch):
+    """Faults injected into the engine thread's add (a stand-in for an engine bug, and for an adapter
+    unloaded between the check and the add): that call ends with INTERNAL or INVALID_ARGUMENT, a
+    stream running beside it finishes, and the server keeps serving."""
+    from jaxinfer.errors import RequestError
+
+    engine = server.server.worker.engine
+    real_add = engine.add_request
+    faults = {"engine-bug": KeyError("a broken index"), "gone-adapter": RequestError("adapter: 'x' was unloaded")}
+
+    def add_request(request):
+        if request.request_id in faults:
+            raise faults[request.request_id]
+        return real_add(request)
+
+    monkeypatch.setattr(engine, "add_request", add_request)
+    expected = smollm2_llm.generate(["Tell me about rivers."], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    with InferenceClient(server.target, timeout=120) as client:
+        survivor = client.stream("Tell me about rivers.", max_tokens=16, temperature=0.0)
+        first = next(survivor)
+        codes = {}
+        for request_id in faults:
+            message = InferenceClient.request("hi", request_id=request_id, max_tokens=4)
+            with pytest.raises(grpc.RpcError) as failed:
+                list(client.stub.Generate(message, timeout=60))
+            codes[request_id] = (failed.value.code(), failed.value.details())
+        assert first.text + "".join(d.text for d in survivor) == expected.text
+        assert codes["engine-bug"][0] == grpc.StatusCode.INTERNAL
+        assert "could not add the request: KeyError" in codes["engine-bug"][1]
+        assert codes["gone-adapter"] == (grpc.StatusCode.INVALID_ARGUMENT, "adapter: 'x' was unloaded")
+        assert client.generate("hi", max_tokens=2)[1].usage.completion_tokens == 2
+    assert health_status(server.target) == health_pb2.HealthCheckResponse.SERVING
+    assert server.server.worker.dead is None
+
+
+def test_a_dead_engine_thread_fails_its_requests_and_reports_not_serving(smollm2_llm):
+    """An unexpected error on the engine thread outside a step ends the thread: the running stream
+    ends with INTERNAL (not a hang), its pages are freed, health says NOT_SERVING so traffic goes
+    elsewhere, and new calls get UNAVAILABLE."""
+    running = RunningServer(smollm2_llm)
+    try:
+        running.call(running.server.load())
+        engine = running.server.worker.engine
+        real_has_unfinished, armed = engine.has_unfinished, threading.Event()
+
+        def has_unfinished():
+            if armed.is_set():
+                armed.clear()
+                raise RuntimeError("injected fault")
+            return real_has_unfinished()
+
+        engine.has_unfinished = has_unfinished
+        with InferenceClient(running.target, timeout=120) as client:
+            stream = client.stream("Write a long story.", max_tokens=200, temperature=0.0)
+            next(stream)
+            armed.set()
+            with pytest.raises(grpc.RpcError) as ended:
+                list(stream)
+            assert ended.value.code() == grpc.StatusCode.INTERNAL
+            assert "engine thread stopped: RuntimeError: injected fault" in ended.value.details()
+            deadline = time.time() + 30
+            while health_status(running.target) != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.time() < deadline, "health still says SERVING"
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate("hi", max_tokens=2)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert not engine.scheduler.has_unfinished()
+        assert smollm2_llm.runner.pool.num_free == smollm2_llm.runner.pool.capacity
+    finally:
+        running.close()
+
+
+def test_stopping_with_a_stream_in_flight_frees_its_pages(smollm2_llm):
+    """A stream still running when the grace period ends is cancelled by gRPC; the engine thread's last
+    act takes it out of the engine, so a model shared with other servers (or tests) gets its pages back."""
+    running = RunningServer(smollm2_llm, grace_seconds=0.2)
+    running.call(running.server.load())
+    engine = running.server.worker.engine
+    with InferenceClient(running.target, timeout=120) as client:
+        stream = client.stream("Write a long story.", max_tokens=400, temperature=0.0)
+        next(stream)
+        running.close()
+        with pytest.raises(grpc.RpcError):
+            list(stream)
+    assert not engine.scheduler.has_unfinished()
+    assert smollm2_llm.runner.pool.num_free == smollm2_llm.runner.pool.capacity
