@@ -227,6 +227,10 @@ class EngineConfig:
             raise ConfigError(f"engine.num_draft_tokens must be at least 1, got {self.num_draft_tokens}")
         if not 0.0 <= self.draft_confidence <= 1.0:
             raise ConfigError(f"engine.draft_confidence must be in [0, 1], got {self.draft_confidence}")
+        for name in ("kv_host_pages", "kv_store_max_bytes", "kv_store_ttl_seconds", "kv_store_sweep_seconds"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN fails too
+                raise ConfigError(f"engine.{name} must be 0 (off) or positive, got {value}")
         if self.exec_loop not in EXEC_LOOPS:
             raise ConfigError(f"engine.exec_loop must be one of {', '.join(EXEC_LOOPS)}, got {self.exec_loop!r}")
         if self.exec_steps_per_step < 0:

@@ -28,6 +28,10 @@ def test_overrides_apply_over_the_file():
     ({"compile_guard": "loud"}, "compile_guard"), ({"dtype": "int8"}, "dtype"), ({"bogus": 1}, "bogus"),
     ({"attention_backend": "ragged_reference"}, "max_model_len to at most 4096, got the model default"),
     ({"attention_backend": "ragged_reference", "max_model_len": 8192}, "max_model_len to at most 4096, got 8192"),
+    ({"kv_host_pages": -1}, "kv_host_pages must be 0 \\(off\\) or positive, got -1"),
+    ({"kv_store_max_bytes": -5}, "kv_store_max_bytes"),
+    ({"kv_store_ttl_seconds": float("nan")}, "kv_store_ttl_seconds"),
+    ({"kv_store_sweep_seconds": -1.0}, "kv_store_sweep_seconds"),
 ])
 def test_bad_engine_settings_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):

@@ -31,7 +31,7 @@ def value_file(root: Path, store: PageStore, key: bytes) -> Path:
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
 def test_pages_round_trip_exactly(tmp_path, dtype):
-    store = PageStore(str(tmp_path), IDENTITY)
+    store = PageStore(str(tmp_path), ModelIdentity(**{**IDENTITY.__dict__, "dtype": np.dtype(dtype).name}))
     for i, key in enumerate(KEYS):
         store.put(key, page(i, dtype))
     for i, key in enumerate(KEYS):
@@ -49,7 +49,7 @@ def test_another_model_or_layout_never_sees_the_pages(tmp_path):
         assert PageStore(str(tmp_path), other).get(KEYS[0]) is None
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "garbage", "empty", "header types"])
 def test_damaged_values_are_dropped_and_reported_as_misses(tmp_path, damage):
     store = PageStore(str(tmp_path), IDENTITY)
     store.put(KEYS[1], page(1))
@@ -59,11 +59,49 @@ def test_damaged_values_are_dropped_and_reported_as_misses(tmp_path, damage):
         raw[-100] ^= 0x01
     elif damage == "truncate":
         raw = raw[: len(raw) // 2]
-    else:
-        raw = bytearray(b"not a page at all")
+    elif damage == "garbage":
+        raw = bytearray(b"not a page at all")  # shorter than the header read of a scan
+    elif damage == "empty":
+        raw = bytearray()
+    else:  # the checksum covers the data only: a header's fields must be checked by type
+        quoted = bytes(raw).replace(b'"nbytes": ', b'"nbytes": "', 1).replace(b', "blake2b"', b'", "blake2b"', 1)
+        raw = bytearray(quoted)  # "nbytes": "12288"
     path.write_bytes(bytes(raw))
+    if damage in ("garbage", "empty", "header types"):  # a scan reads every header: a bad one must not stop it
+        reopened = PageStore(str(tmp_path), IDENTITY)
+        assert KEYS[1] not in reopened and reopened.sweep() == 1 and not path.exists()
+        store.put(KEYS[1], page(1))
+        path.write_bytes(bytes(raw))
     assert store.get(KEYS[1]) is None
     assert store.stats.corrupt == 1 and not path.exists()  # deleted, so it is recomputed and rewritten
+
+
+def test_a_consistent_value_of_another_layout_is_refused(tmp_path):
+    """A value with an intact header and checksum, but another model's page shape or dtype, under this
+    model's name (another writer's bug or a hand-made file), is never imported: its values would be
+    cast or fail to fit the device pages."""
+    store = PageStore(str(tmp_path), IDENTITY)
+    for other in (dict(dtype="bfloat16"), dict(head_dim=32)):
+        identity = ModelIdentity(**{**IDENTITY.__dict__, **other})
+        data = np.zeros(identity.page_shape, ml_dtypes.bfloat16 if other.get("dtype") else np.float32)
+        PageStore(str(tmp_path), identity).put(KEYS[2], data)
+        value_file(tmp_path, store, KEYS[2]).parent.mkdir(exist_ok=True)
+        (tmp_path / identity.digest() / KEYS[2].hex()).rename(value_file(tmp_path, store, KEYS[2]))
+        store.sweep()  # enters the index, as another process's write would
+        assert KEYS[2] in store and store.get(KEYS[2]) is None
+        assert not value_file(tmp_path, store, KEYS[2]).exists()
+    assert store.stats.corrupt == 2
+    with pytest.raises(ValueError, match=r"does not fit this store's model \(\(30, 2, 3, 8, 64\), float32\)"):
+        store.put(KEYS[3], page(3).astype(ml_dtypes.bfloat16))
+
+
+def test_files_that_are_not_pages_are_left_alone(tmp_path):
+    store = PageStore(str(tmp_path), IDENTITY)
+    store.put(KEYS[0], page(0))
+    notes = tmp_path / IDENTITY.digest() / "notes.txt"
+    notes.write_text("an operator's note, or an NFS leftover")
+    reopened = PageStore(str(tmp_path), IDENTITY, max_bytes=1 << 30)
+    assert reopened.keys() == [KEYS[0]] and reopened.sweep() == 0 and notes.exists()
 
 
 def test_ttl_expires_and_sweep_removes(tmp_path):

@@ -139,3 +139,18 @@ def test_engines_on_one_runner_share_the_page_record(smollm2_llm):
     other.generate(requests(smollm2_llm, [f"Count to {i}." for i in range(8)], system="Other engine. " + SYSTEM))
     again = smollm2_llm.engine.generate([probe])[0]
     assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids
+
+
+def test_a_forgotten_page_is_never_found_and_frees_as_plain():
+    """What `Scheduler._restore` does when writing restored pages fails: the pages' content never
+    arrived, so no lookup may return them."""
+    pool = PrefixCachingPool(4)
+    keys = chain_keys(list(range(32)), 16)
+    pages = pool.allocate(2)
+    for page, key in zip(pages, keys, strict=True):
+        pool.register(page, key)
+    for page in pages:
+        pool.forget(page)
+    pool.free(pages)
+    assert pool.lookup(keys) == [] and pool.num_cached == 0 and pool.num_free == pool.capacity
+    assert pool.accounting_errors({}) == []

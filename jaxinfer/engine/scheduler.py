@@ -269,7 +269,13 @@ class Scheduler:
             else:
                 self.stats.prefix_hit_tokens_l3 += self.cfg.page_size
         if writes:
-            self.write_pages(writes)
+            try:
+                self.write_pages(writes)
+            except Exception:  # the pages hold no valid content: nobody may find them, and they go back
+                for page in pages:
+                    self.pool.forget(page)
+                self.pool.free(pages)
+                raise
         return pages
 
     def publish_pages(self, seq: Sequence) -> None:

@@ -114,6 +114,12 @@ class PrefixCachingPool:
             self._page_of[key] = page
             self._key_of[page] = key
 
+    def forget(self, page: int) -> None:
+        """Unpublishes a page (its content never arrived): no lookup finds it, and freed it is plain free."""
+        key = self._key_of.pop(page, None)
+        if key is not None and self._page_of.get(key) == page:
+            del self._page_of[key]
+
     def accounting_errors(self, holders: Mapping[int, int]) -> list[str]:
         """Where the books disagree with `holders` (page -> how many users hold it); empty when sound:
         each page's count equals its holders, a page nobody holds is free or cached exactly once, and

@@ -28,7 +28,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
+import re
 import time
 from dataclasses import asdict, dataclass
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"jaxinfer-kv-page/1\n"
 HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this size find it
+PAGE_KEY_NAME = re.compile("[0-9a-f]{32}")  # a prefix-cache key (16 bytes) in hex; other names are not pages
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,15 @@ class ModelIdentity:
 
     def digest(self) -> str:
         return hashlib.blake2b(json.dumps(asdict(self), sort_keys=True).encode(), digest_size=12).hexdigest()
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """A stored page: [layers, 2 (k, v), kv_heads, page_size, head_dim]."""
+        return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
+
+    def fits(self, page: np.ndarray) -> bool:
+        """Whether `page` has this model's page shape and KV dtype (a header can claim anything)."""
+        return page.shape == self.page_shape and page.dtype.name == self.dtype
 
 
 @dataclass
@@ -163,14 +175,24 @@ class PageStore:
         futures = [self._kv.read(self._key(k), byte_range=slice(0, HEADER_BYTES)) for k in keys]
         index, damaged = {}, []
         for key, future in zip(keys, futures, strict=True):
-            result = future.result()
-            header = self._header(result.value) if result.state == "value" else None
+            try:
+                result = future.result()
+            except Exception:  # a value shorter than the range (tensorstore refuses it), or unreadable
+                result = self._read_whole(key)
+            header = self._header(result.value) if result is not None and result.state == "value" else None
             if header is None:
                 damaged.append(key)
             else:
                 index[key] = _Entry(header["nbytes"], header["created"])
         self._index, self._bytes = index, sum(entry.nbytes for entry in index.values())
         return damaged
+
+    def _read_whole(self, page_key: bytes) -> ts.KvStore.ReadResult | None:
+        try:
+            return self._kv.read(self._key(page_key)).result()
+        except Exception as exc:  # unreadable: counted as damaged and removed
+            log.warning("KV store read of %s failed: %s", page_key.hex(), exc)
+            return None
 
     # -- values ------------------------------------------------------------------------------
     def _key(self, page_key: bytes) -> str:
@@ -188,6 +210,9 @@ class PageStore:
         """Stores one page ([layers, 2, kv_heads, page_size, head_dim]); replaces an earlier value.
 
         With `wait=False` the write runs in the background (see `flush`)."""
+        if not self.identity.fits(page):
+            raise ValueError(f"a KV page of shape {page.shape} and dtype {page.dtype} does not fit this store's "
+                             f"model ({self.identity.page_shape}, {self.identity.dtype})")
         data = np.ascontiguousarray(page).tobytes()
         created = time.time() if now is None else now
         header = {"shape": list(page.shape), "dtype": str(page.dtype), "nbytes": len(data),
@@ -250,6 +275,8 @@ class PageStore:
             self.stats.misses += 1
             return None
         parsed = self._parse(result.value)
+        if parsed is not None and not self.identity.fits(parsed[1]):  # a consistent value of another layout
+            parsed = None
         if parsed is None:
             self.stats.corrupt += 1
             self._delete(page_key)
@@ -268,9 +295,14 @@ class PageStore:
             return None
         try:
             header = json.loads(value[len(MAGIC) : end])
-            return header if isinstance(header, dict) and {"nbytes", "created"} <= header.keys() else None
         except ValueError:
             return None
+        if not isinstance(header, dict):
+            return None
+        nbytes, created = header.get("nbytes"), header.get("created")
+        sizes_fine = isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0
+        time_fine = isinstance(created, int | float) and not isinstance(created, bool) and math.isfinite(created)
+        return header if sizes_fine and time_fine else None
 
     @classmethod
     def _parse(cls, value: bytes) -> tuple[dict, np.ndarray] | None:
@@ -293,7 +325,8 @@ class PageStore:
     def keys(self) -> list[bytes]:
         """Prefix-cache keys of this model's stored pages (a listing of the store)."""
         listed = self._kv.list(ts.KvStore.KeyRange(self._prefix, self._prefix[:-1] + "0")).result()
-        return [bytes.fromhex(k.decode()[len(self._prefix) :]) for k in listed]
+        names = [k.decode(errors="replace")[len(self._prefix) :] for k in listed]
+        return [bytes.fromhex(name) for name in names if PAGE_KEY_NAME.fullmatch(name)]  # not notes or temp files
 
     def sweep(self, now: float | None = None) -> int:
         """Re-reads the listing and headers (pages other processes wrote enter the index), removes
