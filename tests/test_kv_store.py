@@ -108,9 +108,11 @@ def test_ttl_expires_and_sweep_removes(tmp_path):
     store = PageStore(str(tmp_path), IDENTITY, ttl_seconds=60)
     store.put(KEYS[0], page(0), now=1_000.0)  # long ago
     store.put(KEYS[1], page(1))
+    store.put(KEYS[2], page(2), now=1_000.0)  # long ago, and never read
     assert store.get(KEYS[0]) is None and store.get(KEYS[1]) is not None
-    assert store.sweep() == 1
-    assert store.keys() == [KEYS[1]]
+    assert KEYS[0] not in store  # an expired read removes it at once: the page is stored again when evicted
+    assert store.sweep() == 1  # the unread expired page
+    assert store.keys() == [KEYS[1]] and store.stats.expired == 2
 
 
 def test_a_new_process_reads_pages_written_by_an_earlier_one(tmp_path):

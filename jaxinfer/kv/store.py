@@ -280,7 +280,9 @@ class PageStore:
         if parsed is None:
             self.stats.corrupt += 1
             self._delete(page_key)
-        elif self._expired(parsed[0]["created"], time.time()):
+        elif self._expired(parsed[0]["created"], time.time()):  # removed now, so the page is written again
+            self._delete(page_key)
+            self.stats.expired += 1
             parsed = None
         if parsed is None:
             self.stats.misses += 1
