@@ -64,6 +64,11 @@ def test_result_enters_the_output_and_the_context(exec_llm: LLM) -> None:
      "<|trap|>unsupported: needs an exported function main or _start<|/trap|>"),
     ('(module (func (export "_start") (result i32 i64) (i32.const -3) (i64.const 5000000000)))',
      "<|result|>-3 5000000000<|/result|>"),
+    # An imported WASI function exported as main: the batch's step used to fail (KeyError) for every request.
+    ('(module (import "wasi_snapshot_preview1" "fd_close" (func $c (param i32) (result i32))) (export "main" '
+     '(func $c)))', "<|trap|>unsupported: needs main defined in the module, not imported<|/trap|>"),
+    ('(module (memory 5) (func (export "main") (result i32) (i32.const 1)))',
+     "<|trap|>limit: a memory of 5 pages is over the limit of 4 pages"),  # the rest is cut to the room left
 ])
 def test_traps_errors_and_results_are_written_back(exec_llm: LLM, program: str, expected: str) -> None:
     out = exec_llm.generate([exec_prompt(program)], greedy(max_tokens=20, exec=True))[0]
@@ -246,6 +251,11 @@ def test_session_memory_carries_to_the_next_turn_for_the_same_tenant_only(exec_l
     assert turn(LOAD_TURN, "acme", "chat-1").startswith("<|result|>1234<|/result|>")
     assert turn(LOAD_TURN, "globex", "chat-1").startswith("<|result|>0<|/result|>")
     assert turn(LOAD_TURN, "acme", "chat-2").startswith("<|result|>0<|/result|>")
+    # A turn whose program has no memory leaves the session's memory as it was (it used to store an
+    # empty memory, and every later turn of the session failed for want of one).
+    assert turn(SIX_TIMES_SEVEN, "acme", "chat-1").startswith("<|result|>42<|/result|>")
+    assert turn(SIX_TIMES_SEVEN, "acme", "chat-1").startswith("<|result|>42<|/result|>")
+    assert turn(LOAD_TURN, "acme", "chat-1").startswith("<|result|>1234<|/result|>")
 
 
 COUNT_TO_THREE = '(module (func (export "main") (result i32) (local i32) (block (loop (br_if 1 (i32.ge_u ' \

@@ -92,7 +92,7 @@ def test_memory_limit_is_a_trap_and_module_maximum_is_minus_one() -> None:
     assert run(grow, memory_pages=8).values == [1]
     bounded = _main("(memory.grow (i32.const 3))", extra="(memory 1 2)")
     assert run(bounded, memory_pages=8).values == [2**32 - 1]
-    with pytest.raises(Unsupported, match="memory_pages=1"):
+    with pytest.raises(Unsupported, match=r"a memory of 4 pages is over the limit of 1 pages \(exec_memory_pages\)"):
         run(_main("(i32.const 0)", extra="(memory 4)"), memory_pages=1)
 
 
@@ -163,6 +163,25 @@ def test_unsupported_instructions_are_named() -> None:
       (func (export "main") (result i32) (call $i)))"""
     with pytest.raises(Unsupported, match="call_indirect"):
         run(caller)
+
+
+def test_a_call_chain_to_an_unsupported_function_is_unsupported_throughout() -> None:
+    """Every caller up a 3,000-link chain is marked: a walk over the callers, linear in calls (a pass
+    per link over every call took minutes at this length, on the engine thread)."""
+    links = 3000
+    chain = "".join(f"(func (call {i + 1}))" for i in range(links - 1))
+    module = f'(module {chain} (func (drop (f32.const 0))) (export "main" (func 0)))'
+    with pytest.raises(Unsupported, match=r"f32\.const"):
+        run(module)
+    program = compile_module(module).program
+    assert len(program.unsupported) == links and not program.functions
+
+
+def test_an_imported_function_exported_as_main_is_refused_by_name() -> None:
+    module = """(module (import "wasi_snapshot_preview1" "fd_close" (func $c (param i32) (result i32)))
+      (export "main" (func $c)))"""
+    with pytest.raises(Unsupported, match="defined in the module, not imported"):
+        run(module)
 
 
 def test_invalid_and_malformed_modules_are_rejected_with_the_reason() -> None:

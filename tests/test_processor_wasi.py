@@ -115,6 +115,15 @@ def test_symlinks_out_of_the_namespace_are_refused(root: Path) -> None:
         run(program("(i32.const 0)"), files=mapping(root, "acme", "link.txt"))
 
 
+def test_a_symlink_loop_or_a_bad_path_is_a_file_error_named_once(root: Path) -> None:
+    os.symlink(root / "acme" / "loop", root / "acme" / "loop")
+    with pytest.raises(FileAccessError, match=r"^exec_files: 'loop': .*loop"):  # was a RuntimeError, the step's
+        mapping(root, "acme", "loop").resolve("loop")
+    with pytest.raises(FileAccessError) as named:
+        mapping(root, "acme", ".").resolve(".")
+    assert str(named.value).count("exec_files") == 1, str(named.value)
+
+
 def test_other_imports_are_unsupported_and_named() -> None:
     module = """(module (import "wasi_snapshot_preview1" "path_open"
       (func $open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))

@@ -25,6 +25,7 @@ from jaxinfer.config import EngineConfig
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request
 from jaxinfer.engine.sequence import Sequence
+from jaxinfer.processor.binary import LimitExceeded
 from jaxinfer.processor.instance import compile_module, serve_host_call, trace_lines
 from jaxinfer.processor.isa import Status, Trap
 from jaxinfer.processor.lower import Unsupported
@@ -35,6 +36,7 @@ from jaxinfer.processor.unit import ExecReport, ExecUnit, SlotImage
 from jaxinfer.processor.wasi import FileMapping, Syscalls
 from jaxinfer.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
 audit = logging.getLogger("jaxinfer.audit")
 DEFAULT_TENANT = "default"
 MAX_CHARS_PER_TOKEN = 32  # result text is cut to this many characters per token of room before it is encoded
@@ -112,13 +114,16 @@ class Executor:
         session = self._session_key(seq)
         snapshot = self.sessions.get(*session) if session else None
         try:
-            image = self.unit.prepare(compile_module(source), limit,
-                                      (snapshot.memory, snapshot.pages) if snapshot else None, trace=True,
-                                      memory_pages=seq.params.exec_memory_pages)
+            compiled = compile_module(source)
+            base = (snapshot.memory, snapshot.pages) if snapshot and compiled.program.memory else None
+            image = self.unit.prepare(compiled, limit, base, trace=True, memory_pages=seq.params.exec_memory_pages)
             syscalls = Syscalls(file_mapping(self.cfg, seq.request))
         except (ValueError, OSError) as error:  # malformed, invalid, unsupported, or a file that went away
-            kind = "unsupported: needs " if isinstance(error, Unsupported) else ""
-            self._reject(seq, module_hash(source), f"{kind}{error}")
+            self._reject(seq, module_hash(source), _rejection(error))
+            return
+        except Exception as error:  # a bug here fails this program only, never the step the batch shares
+            log.exception("preparing a program of request %d failed", seq.index)
+            self._reject(seq, module_hash(source), f"internal error: {type(error).__name__}: {error}")
             return
         slot = self.unit.free.pop(0)
         self.unit.load(slot, image)
@@ -184,8 +189,9 @@ class Executor:
                 files = run.syscalls.commit()
             except OSError as error:
                 trap = f"file commit failed: {error.strerror or error}"
-        if trap is None and session is not None:
-            self.sessions.put(*session, memory, int(scalars[SCALAR["pages"]]))
+        pages = int(scalars[SCALAR["pages"]])
+        if trap is None and session is not None and pages:  # a program without memory leaves none to carry
+            self.sessions.put(*session, memory, pages)
         branches = int(scalars[SCALAR["branches"]])
         context = (trap if trap is not None else text) + self._trace_text(run, instructions, branches, trace)
         self._audit(run, trap, text, instructions, branches, trace, files)
@@ -257,3 +263,10 @@ class Executor:
         if seq.exec_slot is not None:
             self._release(seq.exec_slot)
         seq.exec_source = None
+
+
+def _rejection(error: Exception) -> str:
+    """What a program that could not start writes back: a limit, a missing feature, or the error."""
+    if isinstance(error, LimitExceeded):
+        return f"limit: {error}"
+    return f"unsupported: needs {error}" if isinstance(error, Unsupported) else str(error)

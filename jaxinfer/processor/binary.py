@@ -24,6 +24,11 @@ class Unsupported(ValueError):
     encodings of later proposals: reference types, bulk memory, SIMD, multiple memories, ...)."""
 
 
+class LimitExceeded(Unsupported):
+    """Needs more than this machine's limits allow (memory pages, code records, registers); the
+    message names the setting."""
+
+
 # Opcodes of proposals after 1.0 (besides sign extension): decoded as far as to name them, never run.
 LATER_OPCODES = {
     0x06: "try", 0x07: "catch", 0x08: "throw", 0x09: "rethrow", 0x0A: "throw_ref", 0x12: "return_call",

@@ -17,7 +17,7 @@ import numpy as np
 import wasmtime
 
 from jaxinfer.processor import machine
-from jaxinfer.processor.binary import MalformedModule, Module, decode
+from jaxinfer.processor.binary import LimitExceeded, MalformedModule, Module, decode
 from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Op, Status, Trap
 from jaxinfer.processor.lower import FunctionCode, Program, Unsupported, lower
 from jaxinfer.processor.validate import InvalidModule, validate
@@ -146,10 +146,12 @@ def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
         if not program.memory:
             raise Unsupported("a memory to take the session's memory")
         if base[1] > limit:
-            raise Unsupported(f"the session's memory of {base[1]} pages is over this module's limit of {limit}")
+            raise LimitExceeded(f"the session's memory of {base[1]} pages is over this module's limit of {limit} "
+                                "pages")
         minimum = max(minimum, base[1])
     if minimum > memory_pages:
-        raise Unsupported(f"memory of {minimum} pages is over the limit memory_pages={memory_pages}")
+        raise LimitExceeded(f"a memory of {minimum} pages is over the limit of {memory_pages} pages "
+                            "(exec_memory_pages)")
     memory = np.zeros(capacity_pages * machine.PAGE_BYTES + 8, np.uint8)
     if base is not None:
         memory[: len(base[0])] = np.frombuffer(base[0], np.uint8)
@@ -162,7 +164,8 @@ def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
 
 def code_image(program: Program, code_length: int) -> np.ndarray:
     if len(program.code) > code_length:
-        raise Unsupported(f"program of {len(program.code)} records is over the limit of {code_length}")
+        raise LimitExceeded(f"a program of {len(program.code)} code records is over the limit of {code_length} "
+                            "(exec_code_records)")
     code = np.zeros((code_length, RECORD_WIDTH), np.int32)
     code[: len(program.code)] = program.code
     return code
@@ -181,7 +184,8 @@ def initial_registers(globals_: np.ndarray, code: FunctionCode, args: list[int],
         raise ValueError(f"args: expected {len(code.params)} values, got {len(args)}")
     base = len(globals_)
     if base + code.frame_size + 1 > registers:
-        raise Unsupported(f"entry frame of {code.frame_size} registers does not fit {registers} registers")
+        raise LimitExceeded(f"an entry frame of {code.frame_size} registers (after {base} globals) is over the "
+                            f"limit of {registers} registers (exec_registers)")
     image = np.zeros((registers + 1, 2), np.uint32)
     image[:base] = globals_
     for index, value in enumerate(args):  # register 0 of the frame is its (unused) link
@@ -237,6 +241,8 @@ class Instance:
         program = self.program
         if function in program.unsupported:
             raise Unsupported(program.unsupported[function])
+        if function not in program.functions:
+            raise Unsupported(f"function {function} defined in the module, not imported")
         code = program.functions[function]
         syscalls = Syscalls(files)
         state = self._initial_state(code, args, max_instructions)

@@ -17,6 +17,7 @@ function that calls it. A call to an imported WASI function is a HOSTCALL record
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -488,16 +489,25 @@ def _lower_functions(module: Module, function_types: list[int], imported: int, c
 
 def _propagate_unsupported(code: list[list[int]], functions: dict[int, FunctionCode], unsupported: dict[int, str],
                            calls: list[tuple[int, int]]) -> None:
-    """A function that calls an unsupported one cannot run either (its code stays, never entered)."""
-    owner = sorted((code_.entry, index) for index, code_ in functions.items())
-    changed = True
-    while changed:
-        changed = False
-        for position, callee in calls:
-            caller = max((entry, index) for entry, index in owner if entry <= position)[1]
-            if callee in unsupported and caller not in unsupported:
+    """A function that calls an unsupported one cannot run either (its code stays, never entered).
+
+    One pass over the calls finds each call's caller (the function whose code holds it), then a
+    worklist walks the callers of each unsupported function: linear in calls and functions, so a
+    long call chain written by a model cannot stall the engine thread."""
+    owners = sorted((code_.entry, index) for index, code_ in functions.items())
+    entries = [entry for entry, _ in owners]
+    callers: dict[int, list[int]] = {}
+    for position, callee in calls:
+        at = bisect.bisect_right(entries, position) - 1
+        if at >= 0:
+            callers.setdefault(callee, []).append(owners[at][1])
+    work = list(unsupported)
+    while work:
+        callee = work.pop()
+        for caller in callers.get(callee, ()):
+            if caller not in unsupported:
                 unsupported[caller] = unsupported[callee]
-                changed = True
+                work.append(caller)
     for index in unsupported:
         functions.pop(index, None)
 

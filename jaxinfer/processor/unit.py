@@ -119,6 +119,8 @@ class ExecUnit:
             raise Unsupported(program.unsupported[function])
         if program.start is not None:
             raise Unsupported("a start function")
+        if function not in program.functions:  # an imported function exported again
+            raise Unsupported(f"{entry} defined in the module, not imported")
         code = program.functions[function]
         if code.params or len(code.results) > RESULT_REGISTERS:
             raise Unsupported(f"{entry} with parameters or more than {RESULT_REGISTERS} results")

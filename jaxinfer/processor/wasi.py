@@ -97,7 +97,9 @@ class FileMapping:
                 raise FileAccessError(f"exec_files: {relative!r} is not a regular file")
             if any(parent.exists() and not parent.is_dir() for parent in target.parents):
                 raise FileAccessError(f"exec_files: {relative!r} is under a file, not a folder")
-        except (OSError, ValueError) as error:
+        except FileAccessError:
+            raise
+        except (OSError, ValueError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python 3.11)
             raise FileAccessError(f"exec_files: {relative!r}: {error}") from error
         return target
 
