@@ -75,6 +75,19 @@ def test_traps_errors_and_results_are_written_back(exec_llm: LLM, program: str, 
     assert out.text.startswith(expected)
 
 
+def test_a_stop_string_after_a_result_cuts_where_the_text_shows_it(exec_llm: LLM) -> None:
+    """The stop search and the final text both show the exec markers, so the cut lands right after
+    the text before the stop (it was 21 characters early: the markers' length)."""
+    free = exec_llm.generate([exec_prompt(SIX_TIMES_SEVEN)], greedy(max_tokens=16, exec=True))[0].text
+    result_end = free.index("<|/result|>") + len("<|/result|>")
+    tail = free[result_end:]
+    stop = next(tail[i : i + 2] for i in range(2, len(tail) - 1) if tail[i : i + 2].strip() == tail[i : i + 2]
+                and tail[i : i + 2] not in free[: result_end + i])
+    stopped = exec_llm.generate([exec_prompt(SIX_TIMES_SEVEN)], greedy(max_tokens=16, exec=True, stop=[stop]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == free[: free.index(stop, result_end)]
+
+
 def test_limits_per_request(exec_llm: LLM) -> None:
     grow = '(module (memory 1) (func (export "main") (result i32) (memory.grow (i32.const 2))))'
     fuel, timeout, memory, room = exec_llm.generate([exec_prompt(SPIN), exec_prompt(SPIN), exec_prompt(grow),

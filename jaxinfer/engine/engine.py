@@ -492,7 +492,10 @@ class Engine:
     def _new_sequence(self, index: int, request: Request) -> Sequence:
         params = request.params
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
-        detokenizer = IncrementalDetokenizer(self.tokenizer) if params.stop else None
+        # The text stop strings are searched in shows what the output shows (the exec markers with exec
+        # on), so a stop's position cuts the final text at the same place.
+        shown = self.shown_special_ids(params)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, keep=shown) if params.stop else None
         seq = Sequence(index=index, request=request, seed=seed, detokenizer=detokenizer)
         seq.adapter = self._adapter_of(request)
         if seq.adapter is not None:

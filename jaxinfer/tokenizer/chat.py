@@ -88,3 +88,6 @@ def _validate(messages: list[dict[str, Any]]) -> None:
             raise RequestError(f"messages[{i}].role: must match {_ROLE.pattern} (for example user or assistant)")
         if not isinstance(message.get("content"), str):
             raise RequestError(f"messages[{i}].content: must be a string")
+        extra = sorted(set(message) - {"role", "content"})
+        if extra:  # a template would render them as its own (trusted) text, past the guard
+            raise RequestError(f"messages[{i}]: unknown field(s) {', '.join(map(str, extra))} (only role and content)")
