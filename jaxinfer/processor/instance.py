@@ -239,11 +239,7 @@ class Instance:
         """Runs one function; WASI calls are served on the host, files committed only on a normal halt.
         With ``trace_entries`` the first that many instructions are traced."""
         program = self.program
-        if function in program.unsupported:
-            raise Unsupported(program.unsupported[function])
-        if function not in program.functions:
-            raise Unsupported(f"function {function} defined in the module, not imported")
-        code = program.functions[function]
+        code = program.entry_code(function, f"function {function}")
         syscalls = Syscalls(files)
         state = self._initial_state(code, args, max_instructions)
         deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
@@ -317,10 +313,7 @@ def run_slots(module: bytes | str, func: str, args_per_slot: list[list[int]], *,
     arguments, memory and fuel: the batched path the engine uses, exposed for tests and benchmarks."""
     compiled = compile_module(module)
     instances = [Instance(compiled, memory_pages=memory_pages) for _ in args_per_slot]
-    function = compiled.program.function_index(func)
-    if function in compiled.program.unsupported:
-        raise Unsupported(compiled.program.unsupported[function])
-    code = compiled.program.functions[function]
+    code = compiled.program.entry_code(compiled.program.function_index(func), func)
     if (compiled.program.code[:, FIELD["op"]] == Op.HOSTCALL).any():
         raise Unsupported("WASI calls in run_slots (use run or Instance, which serve them)")
     states = [instance._initial_state(code, list(args), max_instructions)

@@ -64,6 +64,15 @@ class Program:
             raise KeyError(f"no exported function {name!r}")
         return index
 
+    def entry_code(self, function: int, name: str) -> FunctionCode:
+        """The code to start a run at `function` (called `name` in messages); Unsupported when it
+        cannot run here or is an imported function (exported again), which has no code."""
+        if function in self.unsupported:
+            raise Unsupported(self.unsupported[function])
+        if function not in self.functions:
+            raise Unsupported(f"{name} defined in the module, not imported")
+        return self.functions[function]
+
 
 @dataclass
 class _Block:

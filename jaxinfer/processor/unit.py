@@ -114,14 +114,9 @@ class ExecUnit:
         entry = next((name for name in ENTRY_POINTS if program.exports.get(name, ("",))[0] == "func"), None)
         if entry is None:
             raise Unsupported("an exported function main or _start")
-        function = program.function_index(entry)
-        if function in program.unsupported:
-            raise Unsupported(program.unsupported[function])
+        code = program.entry_code(program.function_index(entry), entry)
         if program.start is not None:
             raise Unsupported("a start function")
-        if function not in program.functions:  # an imported function exported again
-            raise Unsupported(f"{entry} defined in the module, not imported")
-        code = program.functions[function]
         if code.params or len(code.results) > RESULT_REGISTERS:
             raise Unsupported(f"{entry} with parameters or more than {RESULT_REGISTERS} results")
         globals_ = initial_globals(program)
