@@ -46,7 +46,7 @@ class ServeConfig:
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
     port: int = 50051  # 0: any free port
-    max_queued: int = 1024  # commands waiting for the engine thread
+    max_queued: int = 1024  # requests waiting to start beyond engine.max_seqs running; more: RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0  # how long in-flight requests may finish on shutdown
     metrics_host: str = "127.0.0.1"
     metrics_port: int = 9090  # Prometheus /metrics; 0: any free port; -1: off
@@ -86,6 +86,8 @@ def load_configs(path: str | Path | None, **overrides: Any) -> tuple[ServeConfig
     config = ServeConfig().replace(**serve, tenants=tuple(parse_tenants(entries)), prefill_peers=peers)
     if config.auth and not config.tenants:
         raise ConfigError("serve.auth is on but no tenants are configured")
+    if isinstance(config.max_queued, bool) or not isinstance(config.max_queued, int) or config.max_queued < 1:
+        raise ConfigError(f"serve.max_queued must be a whole number >= 1, got {config.max_queued!r}")
     if bool(config.tls_cert) != bool(config.tls_key):
         raise ConfigError("serve.tls_cert and serve.tls_key must be set together")
     engine = load_engine_config(path)

@@ -65,10 +65,13 @@ class WorkerDead(JaxinferError):
 
 class EngineWorker:
     def __init__(self, engine: Engine, max_queued: int = 1024, on_dead: Callable[[str], None] | None = None):
-        """`on_dead(reason)`: called on the engine thread if it stops on an unexpected error."""
+        """`max_queued`: requests that may wait to start beyond the `max_seqs` the engine runs at once;
+        `on_dead(reason)`: called on the engine thread if it stops on an unexpected error."""
         self.engine = engine
         self.on_dead = on_dead
-        self._adds: queue.Queue[_Stream] = queue.Queue(maxsize=max_queued)
+        self.max_queued = max_queued
+        self._capacity = engine.cfg.max_seqs  # requests that run at once; more wait
+        self._adds: queue.Queue[_Stream] = queue.Queue(maxsize=max_queued + self._capacity)
         self._aborts: queue.SimpleQueue[_Stream] = queue.SimpleQueue()  # unbounded: cancel never blocks
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future]] = queue.SimpleQueue()
         self._streams: dict[int, _Stream] = {}
@@ -95,9 +98,13 @@ class EngineWorker:
         self.engine.validate(request)
         stream = _Stream(request, deliver)
         try:
+            # Read from this thread: lengths of the scheduler's lists, off by at most a request in transit.
+            if self._adds.qsize() + self.engine.num_requests - self._capacity >= self.max_queued:
+                raise queue.Full
             self._adds.put_nowait(stream)
         except queue.Full:
-            raise QueueFull(f"engine queue: {self._adds.maxsize} requests waiting, the limit") from None
+            raise QueueFull(f"serve.max_queued: {self.max_queued} requests are waiting to start, the limit; "
+                            "retry later") from None
         return stream
 
     def cancel(self, stream: _Stream) -> None:

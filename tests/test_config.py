@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,16 @@ def test_shipped_serve_configs_load(path):
     serve, engine = load_configs(path)
     check_role(serve, engine)
     assert serve.model and serve.port > 0
+
+
+@pytest.mark.parametrize("value", [0, -3, True, "64", 2.5])
+def test_serve_max_queued_must_be_a_positive_whole_number(tmp_path, value):
+    from serving.server import load_configs
+
+    path = tmp_path / "serve.toml"
+    path.write_text(f"[serve]\nmax_queued = {json.dumps(value)}\n")
+    with pytest.raises(ConfigError, match=r"serve\.max_queued must be a whole number >= 1"):
+        load_configs(path)
 
 
 def test_deploy_manifests_use_the_engine_s_names_and_ports():

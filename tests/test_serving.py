@@ -450,3 +450,35 @@ def test_stopping_with_a_stream_in_flight_frees_its_pages(smollm2_llm):
             list(stream)
     assert not engine.scheduler.has_unfinished()
     assert smollm2_llm.runner.pool.num_free == smollm2_llm.runner.pool.capacity
+
+
+def test_max_queued_bounds_the_requests_waiting_to_start(smollm2_llm):
+    """`serve.max_queued` counts the requests waiting behind `max_seqs` running ones, not only those
+    between two steps: with 8 running and 2 waiting, the next call gets RESOURCE_EXHAUSTED naming the
+    setting; once the backlog is cancelled, calls are taken again and every page is back."""
+    running = RunningServer(smollm2_llm, max_queued=2)
+    try:
+        running.call(running.server.load())
+        engine = running.server.worker.engine
+        max_seqs = engine.cfg.max_seqs
+        with InferenceClient(running.target, timeout=120) as client:
+            streams = [client.stream(f"Story {i}:", max_tokens=400, temperature=0.0, ignore_eos=True)
+                       for i in range(max_seqs)]
+            for stream in streams:
+                next(stream)
+            streams += [client.stream(f"Waiting {i}:", max_tokens=4) for i in range(2)]
+            deadline = time.time() + 60
+            while engine.num_waiting < 2:
+                assert time.time() < deadline, "the two extra requests never reached the waiting list"
+                time.sleep(0.01)
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate("one too many", max_tokens=2)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "serve.max_queued: 2 requests are waiting to start" in refused.value.details()
+            for stream in streams:
+                stream.cancel()
+            wait_until_idle(running, smollm2_llm.runner.pool)
+            assert client.generate("taken again", max_tokens=2)[1].usage.completion_tokens == 2
+    finally:
+        running.close()
+    assert smollm2_llm.runner.pool.num_free == smollm2_llm.runner.pool.capacity

@@ -288,6 +288,16 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests added but not running: new ones and preempted ones."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not finished: running and waiting."""
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
+
     def step(self) -> list[RequestOutput]:
         """Dispatches the next step and returns the requests that finished in the one before it.
 
