@@ -175,6 +175,7 @@ class EngineConfig:
     kv_store_ttl_seconds: float = 0.0  # L3 entries older than this are ignored and swept (0: no limit)
     kv_store_max_bytes: int = 0  # L3 capacity for this model's pages: the oldest go first (0: no limit)
     kv_store_sweep_seconds: float = 600.0  # how often a running engine sweeps L3 (expired, other writers' pages)
+    kv_store_timeout_seconds: float = 10.0  # the longest the engine waits on one L3 read or listing; later: a miss
     draft_model: str = ""  # speculative decoding: a registry name or path of a model with the same vocabulary
     num_draft_tokens: int = 4  # proposals per round at most
     draft_confidence: float = 0.0  # a round's proposals stop at the first whose draft top probability is lower
@@ -231,6 +232,9 @@ class EngineConfig:
             value = getattr(self, name)
             if not value >= 0:  # NaN fails too
                 raise ConfigError(f"engine.{name} must be 0 (off) or positive, got {value}")
+        if not 0 < self.kv_store_timeout_seconds < math.inf:
+            raise ConfigError(f"engine.kv_store_timeout_seconds must be positive and finite, got "
+                              f"{self.kv_store_timeout_seconds}")
         if self.exec_loop not in EXEC_LOOPS:
             raise ConfigError(f"engine.exec_loop must be one of {', '.join(EXEC_LOOPS)}, got {self.exec_loop!r}")
         if self.exec_steps_per_step < 0:

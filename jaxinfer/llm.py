@@ -211,7 +211,8 @@ class LLM:
             # The files' content, not their name or place: the same checkpoint anywhere shares pages.
             identity = ModelIdentity(fingerprint(checkpoint.path), jnp.dtype(self.dtype).name, cfg.page_size,
                                      m.num_layers, m.num_kv_heads, m.head_dim)
-            store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds, cfg.kv_store_max_bytes)
+            store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds, cfg.kv_store_max_bytes,
+                              cfg.kv_store_timeout_seconds)
         return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store,
                            cfg.kv_store_sweep_seconds)
 

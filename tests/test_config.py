@@ -33,6 +33,8 @@ def test_overrides_apply_over_the_file():
     ({"kv_store_max_bytes": -5}, "kv_store_max_bytes"),
     ({"kv_store_ttl_seconds": float("nan")}, "kv_store_ttl_seconds"),
     ({"kv_store_sweep_seconds": -1.0}, "kv_store_sweep_seconds"),
+    ({"kv_store_timeout_seconds": 0.0}, "kv_store_timeout_seconds must be positive and finite, got 0.0"),
+    ({"kv_store_timeout_seconds": float("inf")}, "kv_store_timeout_seconds"),
 ])
 def test_bad_engine_settings_name_the_field(changes, field):
     with pytest.raises(ConfigError, match=field):

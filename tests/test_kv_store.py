@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -202,3 +203,34 @@ def test_tiers_sweep_the_store_periodically(tmp_path):
     time.sleep(0.06)
     tiers.maybe_sweep()
     assert KEYS[4] in store
+
+
+def release_fifo(path: Path) -> None:
+    """Opens the FIFO as a writer and closes it: reads still blocked in open() see an empty value and end."""
+    os.close(os.open(path, os.O_RDWR))
+
+
+def test_a_read_that_never_completes_is_a_miss_after_the_deadline(tmp_path):
+    """A FIFO at a page's path blocks tensorstore's read forever (a hung network filesystem does the same):
+    the read ends as a miss at the deadline, the page leaves the index, and opening the store again
+    leaves it out instead of waiting on its header."""
+    store = PageStore(str(tmp_path), IDENTITY, timeout_seconds=0.5)
+    for i, key in enumerate(KEYS[:3]):
+        store.put(key, page(i))
+    fifo = value_file(tmp_path, store, KEYS[1])
+    fifo.unlink()
+    os.mkfifo(fifo)
+    try:
+        started = time.perf_counter()
+        pending = store.read_async(KEYS[:3])
+        pending.wait()
+        assert pending.done() and time.perf_counter() - started < 5
+        got = pending.pages()
+        assert sorted(got) == sorted([KEYS[0], KEYS[2]]) and np.array_equal(got[KEYS[2]], page(2))
+        assert (store.stats.timeouts, store.stats.misses, store.stats.corrupt) == (1, 1, 0)
+        assert KEYS[1] not in store and KEYS[0] in store
+        reopened = PageStore(str(tmp_path), IDENTITY, timeout_seconds=0.5)
+        assert reopened.num_pages == 2 and KEYS[1] not in reopened and reopened.stats.timeouts == 1
+        assert fifo.exists()  # slow is not damaged: nothing is deleted for it
+    finally:
+        release_fifo(fifo)

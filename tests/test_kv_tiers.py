@@ -3,8 +3,10 @@ and come back on a hit with identical outputs; a second process reuses the L3 pa
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -240,3 +242,29 @@ def test_a_hand_off_with_min_tokens_ignores_stop_strings_in_the_first_token(smol
     passed = handoff(request, engine.generate([prefill_request(request)])[0])
     assert passed.finish_reason is None  # the first token cannot stop a request with min_tokens 3
     assert engine.generate([decode_request(passed)])[0].token_ids == expected.token_ids
+
+
+def test_a_stored_page_that_never_arrives_is_recomputed_after_the_deadline(smollm2_llm, tmp_path):
+    """A FIFO at a stored page's path blocks its read forever, as a hung network filesystem would:
+    the request waits no longer than `kv_store_timeout_seconds`, then computes that page and the rest
+    itself, with the same output; a running request keeps decoding meanwhile."""
+    store = PageStore(str(tmp_path), identity(smollm2_llm), timeout_seconds=1.0)
+    engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
+    request = smollm2_llm.request(SYSTEM + "When is high tide?", GREEDY)
+    reference = engine.generate([request])[0]
+    evict_everything(engine)
+    page = smollm2_llm.config.page_size
+    keys = chain_keys(request.prompt_ids, page)
+    fifo = tmp_path / store.identity.digest() / keys[2].hex()
+    fifo.unlink()
+    os.mkfifo(fifo)
+    try:
+        started = time.perf_counter()
+        again = engine.generate([request])[0]
+        assert time.perf_counter() - started < 30
+    finally:
+        os.close(os.open(fifo, os.O_RDWR))  # ends the read still blocked in open()
+    assert again.token_ids == reference.token_ids
+    assert store.stats.timeouts == 1 and engine.stats.prefix_hit_tokens_l3 == 2 * page
+    assert keys[2] not in store and engine.metrics()["kv_l3_timeouts"] == 1
+    assert engine.pool.num_free == engine.pool.capacity

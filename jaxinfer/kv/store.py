@@ -19,6 +19,12 @@ kept current by this process's writes) for the capacity limit (`max_bytes`: the 
 go first), the gauges, and to skip rewriting a page that is already stored. Other processes'
 writes enter the index at the next `sweep`.
 
+Every wait on the store has a deadline (`timeout_seconds`): a read that has not completed by then
+(a hung network filesystem, a FIFO planted at a page's path) is a miss, the page is recomputed and
+leaves the index so later requests do not wait on it again; a header read at open or sweep that
+times out leaves the value out of the index; a listing that times out fails the open (or skips
+that sweep) with an error naming the setting. The engine never blocks longer than the deadline.
+
 Raw kvstore values rather than one zarr array per page: a page is written once and read whole, so
 zarr's chunk grid and per-array metadata would only add a second object per page.
 """
@@ -78,6 +84,7 @@ class StoreStats:
     expired: int = 0  # values removed by `sweep`
     evicted: int = 0  # values removed to stay under `max_bytes`
     write_errors: int = 0
+    timeouts: int = 0  # reads or header reads not done within `timeout_seconds`
 
 
 @dataclass(frozen=True)
@@ -94,17 +101,20 @@ def kvstore_spec(location: str) -> str | dict:
 
 
 class PendingRead:
-    """Pages being read by tensorstore; `done()` polls, `pages()` waits and checks them."""
+    """Pages being read by tensorstore; `done()` polls (true once all are read or the deadline passed),
+    `pages()` waits and checks them."""
 
     def __init__(self, store: PageStore, keys: list[bytes]):
         self._store, self.keys = store, keys
         self._futures = [store._kv.read(store._key(key)) for key in keys]
         self.started = time.perf_counter()
+        self.deadline = self.started + store.timeout_seconds
         self.finished: float | None = None  # when `done` first found it done
         self._pages: dict[bytes, np.ndarray] | None = None
 
     def done(self) -> bool:
-        if self.finished is None and all(future.done() for future in self._futures):
+        if self.finished is None and (all(future.done() for future in self._futures)
+                                      or time.perf_counter() >= self.deadline):
             self.finished = time.perf_counter()
         return self.finished is not None
 
@@ -114,14 +124,26 @@ class PendingRead:
         return (self.finished or time.perf_counter()) - self.started
 
     def wait(self) -> None:
+        """Waits until every read is done or the deadline passes."""
         for future in self._futures:
-            future.exception()  # waits; an error is reported by `pages`
+            remaining = self.deadline - time.perf_counter()
+            if remaining <= 0:
+                break
+            try:
+                future.exception(timeout=remaining)  # an error is reported by `pages`
+            except TimeoutError:
+                break
+        self.done()
 
     def pages(self) -> dict[bytes, np.ndarray]:
         """The pages found intact and unexpired, by key (damaged or unreadable ones are left out)."""
         if self._pages is None:
+            self.wait()
             self._pages = {}
             for key, future in zip(self.keys, self._futures, strict=True):
+                if not future.done():
+                    self._store._timed_out(key, future, "read")
+                    continue
                 try:
                     page = self._store._accept(key, future.result())
                 except Exception as exc:  # an I/O or network error: a miss, recomputed; the engine goes on
@@ -134,10 +156,11 @@ class PendingRead:
 
 
 class PageStore:
-    def __init__(self, location: str, identity: ModelIdentity, ttl_seconds: float = 0.0, max_bytes: int = 0):
+    def __init__(self, location: str, identity: ModelIdentity, ttl_seconds: float = 0.0, max_bytes: int = 0,
+                 timeout_seconds: float = 10.0):
         self.location, self.identity = location, identity
-        self.ttl_seconds, self.max_bytes = ttl_seconds, max_bytes
-        self._kv = ts.KvStore.open(kvstore_spec(location)).result()
+        self.ttl_seconds, self.max_bytes, self.timeout_seconds = ttl_seconds, max_bytes, timeout_seconds
+        self._kv = ts.KvStore.open(kvstore_spec(location)).result(timeout=timeout_seconds)
         self._prefix = identity.digest() + "/"
         self.stats = StoreStats()
         self._index: dict[bytes, _Entry] = {}
@@ -170,15 +193,21 @@ class PageStore:
         return page_key in self._index
 
     def _scan(self) -> list[bytes]:
-        """Rebuilds the index from a listing and the headers; returns the keys of unreadable values."""
+        """Rebuilds the index from a listing and the headers; returns the keys of unreadable values.
+
+        A value whose header is not read by the deadline stays out of the index (not damaged: slow)."""
         keys = self.keys()
+        deadline = time.perf_counter() + self.timeout_seconds
         futures = [self._kv.read(self._key(k), byte_range=slice(0, HEADER_BYTES)) for k in keys]
         index, damaged = {}, []
         for key, future in zip(keys, futures, strict=True):
             try:
-                result = future.result()
+                result = self._within(future, deadline)
+            except TimeoutError:
+                self._timed_out(key, future, "header read")
+                continue
             except Exception:  # a value shorter than the range (tensorstore refuses it), or unreadable
-                result = self._read_whole(key)
+                result = self._read_whole(key, deadline)
             header = self._header(result.value) if result is not None and result.state == "value" else None
             if header is None:
                 damaged.append(key)
@@ -187,12 +216,30 @@ class PageStore:
         self._index, self._bytes = index, sum(entry.nbytes for entry in index.values())
         return damaged
 
-    def _read_whole(self, page_key: bytes) -> ts.KvStore.ReadResult | None:
+    def _read_whole(self, page_key: bytes, deadline: float) -> ts.KvStore.ReadResult | None:
+        future = self._kv.read(self._key(page_key))
         try:
-            return self._kv.read(self._key(page_key)).result()
+            return self._within(future, deadline)
+        except TimeoutError:  # slow, not damaged: left alone
+            self._timed_out(page_key, future, "header read")
+            return None
         except Exception as exc:  # unreadable: counted as damaged and removed
             log.warning("KV store read of %s failed: %s", page_key.hex(), exc)
             return None
+
+    @staticmethod
+    def _within(future: ts.Future, deadline: float) -> object:
+        return future.result(timeout=max(0.0, deadline - time.perf_counter()))
+
+    def _timed_out(self, page_key: bytes, future: ts.Future, what: str) -> None:
+        """A read not done by its deadline: a miss; the page leaves the index so no request waits on it again."""
+        future.cancel()
+        log.warning("KV store %s of %s took over %g s (engine.kv_store_timeout_seconds): treated as a miss",
+                    what, page_key.hex(), self.timeout_seconds)
+        self._index_pop(page_key)
+        self.stats.timeouts += 1
+        if what == "read":
+            self.stats.misses += 1
 
     # -- values ------------------------------------------------------------------------------
     def _key(self, page_key: bytes) -> str:
@@ -202,7 +249,7 @@ class PageStore:
         key = self._key(page_key)
         self._index_pop(page_key)
         try:
-            self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result()
+            self._kv.delete_range(ts.KvStore.KeyRange(key, key + "\0")).result(timeout=self.timeout_seconds)
         except Exception as exc:  # left for a later sweep
             log.warning("KV store delete of %s failed: %s", page_key.hex(), exc)
 
@@ -220,7 +267,7 @@ class PageStore:
         value = MAGIC + json.dumps(header).encode() + b"\n" + data
         future = self._kv.write(self._key(page_key), value)
         if wait:
-            future.result()
+            future.result(timeout=self.timeout_seconds)
         else:
             self._writes[page_key] = future
             self._reap_writes()
@@ -231,12 +278,13 @@ class PageStore:
 
     def _reap_writes(self, block: bool = False) -> None:
         pending = {}
+        deadline = time.perf_counter() + self.timeout_seconds
         for page_key, future in self._writes.items():
             if not (block or future.done()):
                 pending[page_key] = future
                 continue
             try:
-                future.result()
+                self._within(future, deadline)
             except Exception as exc:  # a full disk or a lost connection: the page is simply not stored
                 log.warning("KV store write of %s failed: %s", page_key.hex(), exc)
                 self._index_pop(page_key)
@@ -244,7 +292,7 @@ class PageStore:
         self._writes = pending
 
     def flush(self) -> None:
-        """Waits for every background write."""
+        """Waits for every background write (until the deadline: a write not done by then counts as failed)."""
         self._reap_writes(block=True)
 
     def _enforce_capacity(self) -> None:
@@ -326,7 +374,13 @@ class PageStore:
 
     def keys(self) -> list[bytes]:
         """Prefix-cache keys of this model's stored pages (a listing of the store)."""
-        listed = self._kv.list(ts.KvStore.KeyRange(self._prefix, self._prefix[:-1] + "0")).result()
+        listing = self._kv.list(ts.KvStore.KeyRange(self._prefix, self._prefix[:-1] + "0"))
+        try:
+            listed = listing.result(timeout=self.timeout_seconds)
+        except TimeoutError:
+            listing.cancel()
+            raise TimeoutError(f"KV store {self.location}: listing took over {self.timeout_seconds:g} s "
+                               "(engine.kv_store_timeout_seconds)") from None
         names = [k.decode(errors="replace")[len(self._prefix) :] for k in listed]
         return [bytes.fromhex(name) for name in names if PAGE_KEY_NAME.fullmatch(name)]  # not notes or temp files
 
