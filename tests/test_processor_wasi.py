@@ -106,21 +106,101 @@ def test_seek_close_and_bad_descriptors(root: Path) -> None:
 @pytest.mark.parametrize("path", ["../globex/secret.txt", "/etc/passwd", "", "a/../../x"])
 def test_paths_outside_the_namespace_are_refused(root: Path, path: str) -> None:
     with pytest.raises(FileAccessError):
-        mapping(root, "acme", path).resolve(path)
+        mapping(root, "acme", path).check()
 
 
 def test_symlinks_out_of_the_namespace_are_refused(root: Path) -> None:
     os.symlink(root / "globex" / "secret.txt", root / "acme" / "link.txt")
-    with pytest.raises(FileAccessError, match="leaves"):
+    with pytest.raises(FileAccessError, match=r"'link.txt': .*symbolic link"):
         run(program("(i32.const 0)"), files=mapping(root, "acme", "link.txt"))
+
+
+READ_AND_PRINT = "(drop (call $get (i32.const 3) (i32.const 100) (i32.const 64))) " \
+                 "(call $put (i32.const 1) (i32.const 100) (i32.load (i32.const 8)))"
+
+
+def test_a_folder_swapped_for_a_link_after_the_check_is_refused_at_the_read(root: Path) -> None:
+    """The request's check passes; the folder is then replaced by a link to another tenant's folder
+    before the program maps its file: the read refuses the link instead of following it."""
+    (root / "acme" / "notes").mkdir()
+    (root / "acme" / "notes" / "secret.txt").write_bytes(b"acme notes")
+    files = mapping(root, "acme", "notes/secret.txt")
+    assert files.check() == len(b"acme notes")
+    (root / "acme" / "notes" / "secret.txt").unlink()
+    (root / "acme" / "notes").rmdir()
+    os.symlink(root / "globex", root / "acme" / "notes")
+    with pytest.raises(FileAccessError, match=r"'notes/secret.txt': .*symbolic link"):
+        run(program(READ_AND_PRINT), files=files)
+
+
+def test_a_folder_swapped_for_a_link_before_the_commit_is_not_written_through(root: Path) -> None:
+    """A program maps out/new.txt; while it runs, out/ becomes a link to another tenant's folder: the
+    commit fails (a trap) and nothing is written in the other tenant's folder."""
+    from jaxinfer.processor.wasi import Syscalls
+
+    (root / "acme" / "out").mkdir()
+    syscalls = Syscalls(mapping(root, "acme", "out/new.txt"))
+    syscalls.files[3].data[:] = b"written"
+    syscalls.files[3].dirty = True
+    (root / "acme" / "out").rmdir()
+    os.symlink(root / "globex", root / "acme" / "out")
+    with pytest.raises(OSError, match="symbolic link"):
+        syscalls.commit()
+    assert sorted(p.name for p in (root / "globex").iterdir()) == ["secret.txt"]
+
+
+def test_a_fifo_is_refused_without_blocking(root: Path) -> None:
+    os.mkfifo(root / "acme" / "pipe")
+    with pytest.raises(FileAccessError, match="'pipe': is not a regular file"):
+        mapping(root, "acme", "pipe").check()
+    with pytest.raises(FileAccessError, match="'pipe': is not a regular file"):
+        run(program(READ_AND_PRINT), files=mapping(root, "acme", "pipe"))  # would block in open() if it tried
+
+
+def test_mapped_files_hold_at_most_the_quota_together(root: Path) -> None:
+    (root / "acme" / "a.bin").write_bytes(b"a" * 600)
+    (root / "acme" / "b.bin").write_bytes(b"b" * 600)
+    assert mapping(root, "acme", "a.bin", quota=1000).check() == 600
+    with pytest.raises(FileAccessError, match=r"hold 1200 bytes, over the tenant's quota of 1000 "
+                                              r"\(engine.exec_quota_bytes\)"):
+        mapping(root, "acme", "a.bin", "b.bin", quota=1000).check()
+    with pytest.raises(FileAccessError, match=r"'b.bin': holds 600 bytes, over the 400 this request may still map"):
+        run(program(READ_AND_PRINT), files=mapping(root, "acme", "a.bin", "b.bin", quota=1000))
+    assert run(program(READ_AND_PRINT), files=mapping(root, "acme", "a.bin", quota=1000)).stdout == b"a" * 64
+
+
+def test_a_link_inside_the_namespace_is_refused_too(root: Path) -> None:
+    """No link is followed below the tenant's folder, even one that stays inside it: the rule holds at
+    every open without resolving where a link points."""
+    os.symlink(root / "acme" / "secret.txt", root / "acme" / "alias.txt")
+    with pytest.raises(FileAccessError, match="symbolic link"):
+        mapping(root, "acme", "alias.txt").check()
+
+
+def test_a_linked_tenant_folder_is_the_operator_s_layout(root: Path, tmp_path_factory) -> None:
+    elsewhere = tmp_path_factory.mktemp("initech")
+    (elsewhere / "data.txt").write_bytes(b"initech data")
+    os.symlink(elsewhere, root / "initech")
+    assert run(program(READ_AND_PRINT), files=mapping(root, "initech", "data.txt")).stdout == b"initech data"
+
+
+def test_commit_keeps_an_existing_file_s_mode_and_new_files_are_private(root: Path) -> None:
+    os.chmod(root / "acme" / "secret.txt", 0o640)
+    data = '(data (i32.const 64) "x")'
+    write = "(call $put (i32.const 3) (i32.const 64) (i32.const 1))"
+    assert run(program(write, data), files=mapping(root, "acme", "secret.txt")).trap is None
+    assert run(program(write, data), files=mapping(root, "acme", "fresh.txt")).trap is None
+    assert (root / "acme" / "secret.txt").read_bytes() == b"xcme secret"
+    assert (root / "acme" / "secret.txt").stat().st_mode & 0o777 == 0o640
+    assert (root / "acme" / "fresh.txt").stat().st_mode & 0o777 == 0o600
 
 
 def test_a_symlink_loop_or_a_bad_path_is_a_file_error_named_once(root: Path) -> None:
     os.symlink(root / "acme" / "loop", root / "acme" / "loop")
-    with pytest.raises(FileAccessError, match=r"^exec_files: 'loop': .*loop"):  # was a RuntimeError, the step's
-        mapping(root, "acme", "loop").resolve("loop")
+    with pytest.raises(FileAccessError, match=r"^exec_files: 'loop': is a symbolic link"):  # was a RuntimeError
+        mapping(root, "acme", "loop").check()
     with pytest.raises(FileAccessError) as named:
-        mapping(root, "acme", ".").resolve(".")
+        mapping(root, "acme", ".").check()
     assert str(named.value).count("exec_files") == 1, str(named.value)
 
 
@@ -142,22 +222,47 @@ def test_session_memory_lru_ttl_and_tenant_keys() -> None:
     cache = SessionMemory(capacity_bytes=2 * 65536, ttl_seconds=10.0, clock=lambda: now[0])
     page = np.zeros(65536 + 8, np.uint8)
     cache.put("acme", "s1", page, 1)
-    cache.put("globex", "s1", page, 1)
-    assert cache.get("acme", "s1") is not None  # acme's is now the most recently used
-    cache.put("acme", "s2", page, 1)  # over capacity: globex's (least recently used) goes
-    assert cache.get("globex", "s1") is None and cache.evictions == 1
+    cache.put("acme", "s2", page, 1)
+    assert cache.get("acme", "s1") is not None  # s1 is now the most recently used
+    cache.put("acme", "s3", page, 1)  # over capacity: acme's least recently used (s2) goes
+    assert cache.get("acme", "s2") is None and cache.evictions == 1
     now[0] = 11.0
     assert cache.get("acme", "s1") is None and len(cache) == 1  # expired
     assert cache.bytes == 65536
+
+
+def test_session_memory_keeps_each_tenant_s_share() -> None:
+    """A tenant opening many sessions evicts its own, never a tenant that holds less: before, the
+    cache-wide least recently used entry went, so one busy tenant wiped out every other tenant's
+    sessions."""
+    import numpy as np
+
+    from jaxinfer.processor.sessions import SessionMemory
+
+    now = [0.0]
+    cache = SessionMemory(capacity_bytes=4 * 65536, ttl_seconds=100.0, clock=lambda: now[0])
+    page = np.zeros(2 * 65536 + 8, np.uint8)
+    cache.put("globex", "g1", page, 1)  # the oldest entry in the cache
+    for turn in range(10):
+        now[0] += 1
+        cache.put("acme", f"a{turn}", page, 1)
+    assert cache.get("globex", "g1") is not None
+    assert cache.tenant_bytes("globex") == 65536 and cache.tenant_bytes("acme") == 3 * 65536
+    assert [cache.get("acme", f"a{turn}") is not None for turn in range(10)] == [False] * 7 + [True] * 3
+    cache.put("initech", "i1", page, 2)  # a third tenant takes its room from the largest holder
+    assert cache.tenant_bytes("acme") == 65536 and cache.get("globex", "g1") is not None
+    now[0] += 200  # everything expires: a new entry removes the expired ones first, not only what it needs
+    cache.put("acme", "late", page, 1)
+    assert len(cache) == 1 and cache.bytes == 65536 == cache.tenant_bytes("acme")
 
 
 def test_review_regressions_in_the_wasi_layer(root: Path) -> None:
     (root / "acme" / "folder").mkdir()
     for bad in ("folder", "secret.txt/x", "a\x00b", "tab\tname"):
         with pytest.raises(FileAccessError):
-            mapping(root, "acme", bad).resolve(bad)
+            mapping(root, "acme", bad).check()
     with pytest.raises(FileAccessError):
-        mapping(root, "ac\x00me", "x").resolve("x")
+        mapping(root, "ac\x00me", "x").check()
     # seeking past 2^63 is EINVAL (28), not a crash; writing after a seek past the end leaves zeros
     seek_far = "(drop (call $seek (i32.const 3) (i64.const 0x7fffffffffffffff) (i32.const 1) (i32.const 16))) " \
                "(call $seek (i32.const 3) (i64.const 0x7fffffffffffffff) (i32.const 1) (i32.const 16))"

@@ -192,9 +192,8 @@ class Engine:
         if not self.cfg.exec_files_root:
             raise RequestError("exec_files: this engine maps no files (engine.exec_files_root is empty)")
         try:
-            for path in mapping.paths:
-                mapping.resolve(path)
-        except FileAccessError as error:  # resolve turns every OS complaint into FileAccessError
+            mapping.check()
+        except FileAccessError as error:  # check turns every OS complaint into FileAccessError
             raise RequestError(str(error)) from error
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:

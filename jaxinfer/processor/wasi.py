@@ -5,23 +5,27 @@ status SYSCALL, the host serves the call here against a copy of the slot's memor
 resumes (one host round trip per system call, none per instruction).
 
 Files: a request maps paths of its tenant's own namespace (``<root>/<tenant>/<path>``) to
-descriptors 3, 4, ... in order. A path must be relative, without ``..``, and must not leave the
-tenant's folder through a symbolic link. Writes go to a staged copy; the staged files replace the
-real ones atomically (a temporary file, then ``os.replace``) only when the program halts
-normally, so a trap leaves every file as it was. Growing a tenant's files past its byte quota is a
-trap.
+descriptors 3, 4, ... in order. A path must be relative, without ``..``, and may not pass through a
+symbolic link below the tenant's folder (``tenant_files``: checked at every open, not once). The
+files a request maps may hold at most the tenant's byte quota together. Writes go to a staged copy;
+the staged files replace the real ones atomically (a temporary file, then a rename) only when the
+program halts normally, so a trap leaves every file as it was. Growing a tenant's files past its
+byte quota is a trap.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
-import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
+
+from jaxinfer.processor.tenant_files import file_size, read_file, write_file
+
+T = TypeVar("T")
 
 WASI_MODULE = "wasi_snapshot_preview1"
 # name -> (syscall number, params, results)
@@ -60,8 +64,9 @@ class ProcessExit(Exception):
 
 @dataclass
 class MappedFile:
-    path: Path
+    relative: str  # the mapped path, inside the tenant's folder
     data: bytearray
+    original_size: int = 0  # bytes when mapped (they count for the quota already)
     position: int = 0
     dirty: bool = False
     closed: bool = False
@@ -80,28 +85,39 @@ class FileMapping:
     def folder(self) -> Path:
         return self.root / self.tenant
 
-    def resolve(self, relative: str) -> Path:
-        """The file for ``relative``, refusing absolute paths, ``..``, control characters, links out of the
-        tenant's folder and anything that is not a regular file (or absent, to be created)."""
+    def check(self) -> int:
+        """Checks every mapped path (see ``_guarded``) and that together they hold at most the quota;
+        returns the bytes they hold. Raises FileAccessError naming the path and the rule."""
+        total = sum(self._guarded(relative, lambda r=relative: file_size(self.folder, r)) or 0
+                    for relative in self.paths)
+        if total > self.quota_bytes:
+            raise FileAccessError(f"exec_files: the mapped files hold {total} bytes, over the tenant's quota of "
+                                  f"{self.quota_bytes} (engine.exec_quota_bytes)")
+        return total
+
+    def read(self, relative: str, limit: int) -> bytearray:
+        """The file's bytes (empty if it does not exist yet); more than ``limit`` is a FileAccessError."""
+        return self._guarded(relative, lambda: read_file(self.folder, relative, limit))
+
+    def write(self, relative: str, data: bytes) -> None:
+        """Replaces the file atomically; an OSError (a link swapped in, a full disk) is left to the caller."""
+        self._guarded(relative, lambda: None)
+        write_file(self.folder, relative, data)
+
+    def _guarded(self, relative: str, action: Callable[[], T]) -> T:
+        """Runs ``action`` on ``relative`` after refusing absolute paths, ``..``, control characters and an
+        invalid tenant; its OS complaints (a link, a FIFO, a file where a folder should be) become one
+        FileAccessError naming the path."""
         if not _clean_name(self.tenant) or "/" in self.tenant or self.tenant in (".", ".."):
             raise FileAccessError(f"tenant {self.tenant!r}: not a valid namespace name")
         candidate = Path(relative)
-        if not _clean_name(relative) or candidate.is_absolute() or ".." in candidate.parts:
+        if not _clean_name(relative) or candidate.is_absolute() or ".." in candidate.parts or not candidate.parts:
             raise FileAccessError(f"exec_files: {relative!r} must be a relative path without '..'")
         try:
-            folder = self.folder.resolve()
-            target = (folder / candidate).resolve()
-            if folder not in target.parents:
-                raise FileAccessError(f"exec_files: {relative!r} leaves the tenant's folder")
-            if target.exists() and not target.is_file():
-                raise FileAccessError(f"exec_files: {relative!r} is not a regular file")
-            if any(parent.exists() and not parent.is_dir() for parent in target.parents):
-                raise FileAccessError(f"exec_files: {relative!r} is under a file, not a folder")
-        except FileAccessError:
-            raise
-        except (OSError, ValueError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python 3.11)
-            raise FileAccessError(f"exec_files: {relative!r}: {error}") from error
-        return target
+            return action()
+        except (OSError, ValueError) as error:
+            raise FileAccessError(f"exec_files: {relative!r}: {error.strerror or error}"
+                                  if isinstance(error, OSError) else f"exec_files: {relative!r}: {error}") from error
 
     def used_bytes(self) -> int:
         folder = self.folder
@@ -120,10 +136,11 @@ class Syscalls:
     files: dict[int, MappedFile] = field(default_factory=dict)
     touched: set[str] = field(default_factory=set)  # mapped paths read or written
     def __post_init__(self) -> None:
+        left = self.mapping.quota_bytes if self.mapping else 0
         for index, relative in enumerate(self.mapping.paths if self.mapping else ()):
-            path = self.mapping.resolve(relative)
-            data = bytearray(path.read_bytes()) if path.is_file() else bytearray()
-            self.files[FIRST_FILE + index] = MappedFile(path, data)
+            data = self.mapping.read(relative, left)  # together at most the quota
+            left -= len(data)
+            self.files[FIRST_FILE + index] = MappedFile(relative, data, len(data))
 
     def call(self, number: int, args: list[int], memory: np.ndarray) -> int:
         """Serves one call; ``memory`` is the slot's linear memory (updated in place). Returns the errno."""
@@ -213,30 +230,17 @@ class Syscalls:
 
     def _committed_elsewhere(self) -> int:
         """Bytes of the tenant's files that this program did not map (they count for the quota)."""
-        mapped = sum(handle.path.stat().st_size for handle in self.files.values() if handle.path.is_file())
-        return self.mapping.used_bytes() - mapped
+        mapped = sum(handle.original_size for handle in self.files.values())
+        return max(0, self.mapping.used_bytes() - mapped)
 
     def commit(self) -> dict[str, bytes]:
-        """Writes every changed file atomically (a synced temporary file, then ``os.replace``, keeping an
-        existing file's mode); returns them by mapped path. An OSError leaves no temporary file behind."""
+        """Writes every changed file atomically (``tenant_files.write_file``); returns them by mapped path.
+        An OSError leaves no temporary file behind."""
         written: dict[str, bytes] = {}
-        for fd, handle in self.files.items():
-            if not handle.dirty:
-                continue
-            handle.path.parent.mkdir(parents=True, exist_ok=True)
-            descriptor, staged = tempfile.mkstemp(dir=handle.path.parent, prefix=".staged-")
-            try:
-                with os.fdopen(descriptor, "wb") as out:
-                    out.write(handle.data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                if handle.path.exists():
-                    shutil.copymode(handle.path, staged)
-                os.replace(staged, handle.path)
-            except OSError:
-                Path(staged).unlink(missing_ok=True)
-                raise
-            written[self.mapping.paths[fd - FIRST_FILE]] = bytes(handle.data)
+        for handle in self.files.values():
+            if handle.dirty:
+                write_file(self.mapping.folder, handle.relative, bytes(handle.data))
+                written[handle.relative] = bytes(handle.data)
         return written
 
 

@@ -1,0 +1,125 @@
+"""A tenant's files, opened without following symbolic links below the tenant's folder.
+
+Every component of a mapped path is opened relative to its parent's descriptor with ``O_NOFOLLOW``,
+so a component swapped for a link (or a FIFO, or a folder) between the request's check and the
+program's read or commit is refused instead of followed: no path can reach outside the folder at
+any moment. The tenant's folder itself (``<root>/<tenant>``) is the operator's layout and may be a
+link. Reads are capped (``limit`` bytes) before anything is read, and a commit writes a temporary
+file in the same folder descriptor and renames it over the name, so a reader never sees half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+_DIRECTORY = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+NEW_FILE_MODE = 0o600  # like tempfile.mkstemp's: a file a program creates is its owner's only
+
+
+class LinkRefused(OSError):
+    """A mapped path passes through something other than folders to a regular file."""
+
+
+@contextlib.contextmanager
+def _folder(folder: Path, parts: tuple[str, ...], create: bool) -> Iterator[int]:
+    """A descriptor of ``folder/parts...``, each part opened without following links (created if asked)."""
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for name in parts:
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(name, 0o755, dir_fd=descriptor)
+            child = _open_below(name, _DIRECTORY, descriptor)
+            os.close(descriptor)
+            descriptor = child
+        yield descriptor
+    finally:
+        os.close(descriptor)
+
+
+def _open_below(name: str, flags: int, folder: int, mode: int = 0o777) -> int:
+    try:
+        return os.open(name, flags, mode, dir_fd=folder)
+    except OSError as error:
+        if error.errno in (errno.ELOOP, errno.ENOTDIR):  # a link (O_NOFOLLOW) or a file where a folder should be
+            raise LinkRefused(error.errno, f"{name!r} is a symbolic link, or a file where a folder should be") from None
+        raise
+
+
+def file_size(folder: Path, relative: str) -> int | None:
+    """The size of the regular file at ``relative``, or None if it does not exist yet."""
+    *parents, name = Path(relative).parts
+    try:
+        with _folder(folder, tuple(parents), create=False) as parent:
+            info = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    _require_regular(info.st_mode)
+    return info.st_size
+
+
+def _require_regular(mode: int) -> None:
+    if stat.S_ISLNK(mode):
+        raise LinkRefused(errno.ELOOP, "is a symbolic link")
+    if not stat.S_ISREG(mode):
+        raise LinkRefused(errno.EINVAL, "is not a regular file")
+
+
+def read_file(folder: Path, relative: str, limit: int) -> bytearray:
+    """The contents of ``relative`` (empty if it does not exist yet); more than ``limit`` bytes is refused."""
+    *parents, name = Path(relative).parts
+    try:
+        with _folder(folder, tuple(parents), create=False) as parent:
+            # O_NONBLOCK: a FIFO planted at the name must not block the open; it is refused below.
+            descriptor = _open_below(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, parent)
+    except FileNotFoundError:
+        return bytearray()
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        _require_regular(info.st_mode)
+        if info.st_size > limit:
+            raise FileTooLarge(relative, info.st_size, limit)
+        data = bytearray(handle.read(limit + 1))
+    if len(data) > limit:  # it grew after the check
+        raise FileTooLarge(relative, len(data), limit)
+    return data
+
+
+def write_file(folder: Path, relative: str, data: bytes) -> None:
+    """Replaces ``relative`` with ``data`` atomically (a synced temporary file renamed over it, keeping an
+    existing file's mode); creates missing folders. An error leaves no temporary file behind."""
+    *parents, name = Path(relative).parts
+    with _folder(folder, tuple(parents), create=True) as parent:
+        try:
+            mode = stat.S_IMODE(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            mode = NEW_FILE_MODE
+        staged = f".staged-{secrets.token_hex(8)}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        descriptor = _open_below(staged, flags, parent, NEW_FILE_MODE)
+        try:
+            with os.fdopen(descriptor, "wb") as out:
+                os.fchmod(out.fileno(), mode)
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(staged, name, src_dir_fd=parent, dst_dir_fd=parent)  # a link at `name` is replaced, not followed
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(staged, dir_fd=parent)
+            raise
+
+
+class FileTooLarge(OSError):
+    """A mapped file holds more bytes than a program may map."""
+
+    def __init__(self, relative: str, size: int, limit: int) -> None:
+        super().__init__(errno.EFBIG, f"holds {size} bytes, over the {limit} this request may still map "
+                                      "(engine.exec_quota_bytes)")
+        self.size = size
