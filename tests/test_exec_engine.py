@@ -350,3 +350,19 @@ def test_programs_reach_the_device_only_by_explicit_copies(exec_llm: LLM, files_
     assert wasi.text.startswith("<|result|>4\n40 2<|/result|>")
     assert len(traced.text.split("<|/result|>")[0].splitlines()) == 1 + 11
     assert stored.text.startswith("<|result|>1<|/result|>") and loaded.text.startswith("<|result|>1234<|/result|>")
+
+
+def test_stop_strings_match_what_the_model_writes_not_a_result_block(exec_llm: LLM) -> None:
+    """A stop string inside a program's output, or starting in the result block and ending in the
+    model's text, does not stop the request: the engine's result block is never cut. The same string
+    written by the model later still stops it."""
+    free = exec_llm.generate([exec_prompt(SIX_TIMES_SEVEN)], greedy(max_tokens=16, exec=True))[0]
+    result_end = free.text.index("<|/result|>") + len("<|/result|>")
+    spanning = "|>" + free.text[result_end]  # the marker's end and the model's first character
+    for stop in ("42", spanning):
+        out = exec_llm.generate([exec_prompt(SIX_TIMES_SEVEN)], greedy(max_tokens=16, exec=True, stop=[stop]))[0]
+        assert out.text.startswith("<|result|>42<|/result|>"), stop
+        if stop in free.text[result_end:]:
+            assert out.finish_reason == "stop" and out.text == free.text[: free.text.index(stop, result_end)]
+        else:
+            assert out.token_ids == free.token_ids and out.finish_reason == free.finish_reason

@@ -343,6 +343,8 @@ class Engine:
             seq.logprobs.append(0.0)
             if seq.detokenizer:
                 seq.detokenizer.push(token)
+        if seq.detokenizer:  # stop strings match what the model writes, not a program's output
+            seq.stop_search_from = len(seq.detokenizer.text)
         if len(seq.output_ids) >= seq.params.max_tokens or seq.num_known >= self.max_model_len:
             seq.finish_reason = "length"
             self._forced_finished.append(seq)
@@ -662,8 +664,11 @@ class Engine:
         """Searches only the text the newest characters could have completed a stop string in."""
         text = seq.detokenizer.text
         # Each string only where the new characters could complete it (text before min_tokens was
-        # allowed to contain stop strings and must not stop generation later).
-        hits = [i for s in seq.params.stop if (i := text.find(s, max(0, len(text) - new_chars - len(s) + 1))) >= 0]
+        # allowed to contain stop strings and must not stop generation later), and never starting in
+        # a result block the engine wrote.
+        floor = seq.stop_search_from
+        hits = [i for s in seq.params.stop
+                if (i := text.find(s, max(floor, len(text) - new_chars - len(s) + 1))) >= 0]
         if hits:
             seq.stop_at = min(hits)
             return True

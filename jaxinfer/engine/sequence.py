@@ -40,6 +40,7 @@ class Sequence:
     finish_reason: str | None = None
     detokenizer: IncrementalDetokenizer | None = None  # streams the output text (for stop strings)
     stop_at: int | None = None  # where a stop string starts in the decoded output
+    stop_search_from: int = 0  # output text before this is the engine's (a result block): no stop starts there
     arrival: int = 0  # admission order, for preempting the newest
     store_read: PendingRead | None = None  # prefix pages being read from the KV store before admission
     published_pages: int = 0  # prompt pages handed to the KV store (a prefill worker's `publish_kv`)
