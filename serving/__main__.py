@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 
@@ -32,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace) -> bool:
+    """Serves until SIGTERM or SIGINT; True when that came while the model was still loading."""
     config, engine_config = load_configs(args.config, host=args.host, port=args.port, model=args.model,
                                          metrics_port=args.metrics_port)
     logging.getLogger(__name__).info("settings %s", json.dumps(
@@ -44,16 +46,17 @@ async def serve(args: argparse.Namespace) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):  # a follower ends when its leader says so (or is lost)
             signal.signal(sig, signal.SIG_IGN)
         await asyncio.to_thread(follow, config.model, engine_config, group, channel)
-        return
+        return False
     try:
-        await serve_as_leader(config, engine_config, group, channel)
+        return await serve_as_leader(config, engine_config, group, channel)
     finally:
         if channel is not None:
             channel.stop()
 
 
-async def serve_as_leader(config, engine_config, group: ProcessGroup, channel: Leader | None) -> None:
-    """The gRPC server (process 0 of a group, or the only process) until SIGTERM or SIGINT."""
+async def serve_as_leader(config, engine_config, group: ProcessGroup, channel: Leader | None) -> bool:
+    """The gRPC server (process 0 of a group, or the only process) until SIGTERM or SIGINT; True when
+    the signal came while the model was still loading."""
     server = InferenceServer(config, engine_config, process_group=group, lockstep=channel)
     port = await server.start()
     print(json.dumps({"event": "listening", "host": config.host, "port": port,
@@ -68,8 +71,10 @@ async def serve_as_leader(config, engine_config, group: ProcessGroup, channel: L
     if load.done() and not load.cancelled() and load.exception() is not None:
         await server.stop()
         raise LoadFailed(f"loading {config.model} failed: {load.exception()}")
+    loading = not load.done()
     load.cancel()
     await server.stop()
+    return loading
 
 
 def follow(model: str, engine_config, group: ProcessGroup, channel: Follower) -> None:
@@ -99,10 +104,18 @@ def configure_logging() -> None:
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
     try:
-        asyncio.run(serve(parse_args(argv)))
+        stopped_while_loading = asyncio.run(serve(parse_args(argv)))
     except JaxinferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    if stopped_while_loading:
+        # The load thread is inside XLA (reading weights, compiling): no request was taken, so there is
+        # nothing to drain, and an interpreter shutdown would wait for that thread or crash under it.
+        logging.getLogger(__name__).info("stopped while the model was loading; exiting without waiting for it")
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -10,12 +10,15 @@ effective settings. The port is bound before the model loads, so health checks a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
+import threading
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,6 +39,7 @@ from serving.tenants import Tenant, TenantBook, parse_tenants
 from serving.worker import EngineWorker
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 KV_CHANNEL = pb.DESCRIPTOR.services_by_name["KVChannel"].full_name
@@ -105,6 +109,32 @@ def check_role(config: ServeConfig, engine: EngineConfig) -> None:
         raise ConfigError("serve.prefill_peers must be set for role 'decode', and only for it")
 
 
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread. Unlike `asyncio.to_thread`, whose executor is joined when the event
+    loop closes, a shutdown does not wait for it: a SIGTERM during a minutes-long load ends at once."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.cancelled():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            result, error = fn(), None
+        except BaseException as exc:  # handed to the awaiting task
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name="jaxinfer-load", daemon=True).start()
+    return await future
+
+
 class InferenceServer:
     """One model behind a gRPC port; `llm` may be given (already loaded) instead of loaded from the config."""
 
@@ -163,8 +193,8 @@ class InferenceServer:
     async def load(self) -> None:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""
         if self.llm is None:
-            self.llm = await asyncio.to_thread(LLM, self.config.model, self.engine_config,
-                                               process_group=self.process_group, lockstep=self.lockstep)
+            self.llm = await in_daemon_thread(lambda: LLM(self.config.model, self.engine_config,
+                                                          process_group=self.process_group, lockstep=self.lockstep))
         # The worker's own engine: only its thread steps it. It shares the runner (device caches, page
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = self.llm.new_engine()

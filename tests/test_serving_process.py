@@ -99,3 +99,24 @@ def test_a_model_that_fails_to_load_exits_2_naming_it(tmp_path):
     proc = serve_once(tmp_path, '[serve]\nmodel = "nope-1b"\nport = 0\nmetrics_port = -1\n')
     assert proc.returncode == 2
     assert "nope-1b" in proc.stderr and "Traceback" not in proc.stderr.split("error:")[-1]
+
+
+def test_sigterm_while_the_model_loads_exits_at_once(tmp_path):
+    """A SIGTERM right after the port is bound (the model still loading and warming up) ends the
+    process with 0 without waiting for the load: before, the loading thread was joined at exit, so
+    a pod being rescheduled held on for the whole load (minutes for a large model)."""
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    proc = subprocess.Popen([sys.executable, "-m", "serving", "--config", str(config)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        json.loads(proc.stdout.readline())  # listening: the load has just begun
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = proc.stderr.read()
+    assert "stopped while the model was loading" in log and "Traceback" not in log
+    assert "warm-up" not in log  # the load never finished: nothing waited for it
