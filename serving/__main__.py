@@ -57,14 +57,14 @@ async def serve(args: argparse.Namespace) -> bool:
 async def serve_as_leader(config, engine_config, group: ProcessGroup, channel: Leader | None) -> bool:
     """The gRPC server (process 0 of a group, or the only process) until SIGTERM or SIGINT; True when
     the signal came while the model was still loading."""
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # before the port is announced: a signal right after is ours
+        loop.add_signal_handler(sig, stopping.set)
     server = InferenceServer(config, engine_config, process_group=group, lockstep=channel)
     port = await server.start()
     print(json.dumps({"event": "listening", "host": config.host, "port": port,
                       "metrics_port": server.metrics_port}), flush=True)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     load = asyncio.create_task(server.load())
     load.add_done_callback(lambda task: task.cancelled() or task.exception() is None or stopping.set())
     await stopping.wait()
