@@ -5,6 +5,13 @@ of each message's content. The text between placeholders is the template's own (
 tokens in it become special ids); each content segment is user text (special-token matching off).
 A probe with padded placeholders tells whether the template trims content, so that the segments
 equal what the template would have written.
+
+Every split is checked against the plain render of the real messages: the segments joined must
+equal it character for character. A template that the padded probe misreads (its own space next to
+trimmed content) is split again with bare placeholders; one that transforms content (``tojson``,
+``upper``, slicing) cannot be split without guessing, and the request gets an error naming the
+template instead of a prompt that differs from what the template writes. Empty contents are
+rendered as they are (no placeholder), so ``{% if message.content %}`` sees what it would.
 """
 
 from __future__ import annotations
@@ -54,20 +61,37 @@ class ChatTemplate:
 
     def render_segments(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[Segment]:
         _validate(messages)
+        expected = self.render_text(messages, add_generation_prompt)
         nonce = secrets.token_hex(6)
+        for padding, trim in (" ", None), ("", ""), ("", "strip"):
+            segments = self._split(messages, add_generation_prompt, nonce, padding, trim)
+            if "".join(s.text for s in segments) == expected:
+                return segments
+        raise RequestError("chat template: it changes message contents (for example tojson, upper or a slice), so "
+                           "they cannot be kept apart from the template's own text; send the prompt as text or "
+                           "token ids instead")
+
+    def _split(self, messages: list[dict[str, Any]], add_generation_prompt: bool, nonce: str, padding: str,
+               trim: str | None) -> list[Segment]:
+        """Template and content segments from a render with placeholders. With ``padding`` " " the
+        spaces that survive around a placeholder tell whether the template trims (``trim`` None);
+        with bare placeholders the content is taken as it is ("") or stripped ("strip")."""
         marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
-        padded = [dict(m, content=f" {mark} ") for m, mark in zip(messages, marks, strict=True)]
-        text = self.render_text(padded, add_generation_prompt)
-        pattern = re.compile("( ?)\ue000" + nonce + r":(\d+)\ue001( ?)")
+        placed = [dict(m, content=f"{padding}{mark}{padding}" if m["content"] else "")
+                  for m, mark in zip(messages, marks, strict=True)]
+        text = self.render_text(placed, add_generation_prompt)
+        spaces = "( ?)" if padding else "()"
+        pattern = re.compile(spaces + "\ue000" + nonce + r":(\d+)\ue001" + spaces)
         segments: list[Segment] = []
         cursor = 0
         for match in pattern.finditer(text):
             segments.append(Segment(text[cursor : match.start()], trusted=True))
             content = messages[int(match.group(2))]["content"]
-            if not match.group(1):
-                content = content.lstrip()
-            if not match.group(3):
-                content = content.rstrip()
+            if trim is None:
+                content = content if match.group(1) else content.lstrip()
+                content = content if match.group(3) else content.rstrip()
+            elif trim == "strip":
+                content = content.strip()
             segments.append(Segment(content, trusted=False, message=int(match.group(2))))
             cursor = match.end()
         segments.append(Segment(text[cursor:], trusted=True))
