@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from jaxinfer.config import load_engine_config
+from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
@@ -168,19 +168,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     defaults = default_params(args)
     SamplingParams(**defaults)  # a bad command-line value fails before the model loads
     group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
-    check_group_settings(load_engine_config(args.config, **_engine_overrides(args)), group)
+    config = load_engine_config(args.config, **_engine_overrides(args))  # read once: the file may change meanwhile
+    check_group_settings(config, group)
     channel = connect(group)
     if isinstance(channel, Follower):  # replays the leader's steps; reads and writes nothing
         try:
-            llm = LLM(args.model, args.config, process_group=group, lockstep=channel, **_engine_overrides(args))
+            llm = LLM(args.model, config, process_group=group, lockstep=channel)
         except LeaderStopped:
             return {"process_id": group.process_id, "steps_replayed": 0}
         return {"process_id": group.process_id, "steps_replayed": llm.serve_follower()}
     try:  # whatever ends the leader's run (a bad input file included) stops the followers too
         with _open_input(args.input) as stream:
             jobs = read_jobs(stream, defaults)
-        llm = LLM(args.model, args.config, process_group=group, lockstep=channel,
-                  **_line_overrides(args, jobs, group))
+        llm = LLM(args.model, _with_line_needs(config, args, jobs, group), process_group=group, lockstep=channel)
         return _run_jobs(args, llm, jobs)
     finally:
         if channel is not None:
@@ -196,24 +196,24 @@ def _engine_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {k: v for k, v in overrides.items() if v is not None}
 
 
-def _line_overrides(args: argparse.Namespace, jobs: list[Job], group: ProcessGroup) -> dict[str, Any]:
+def _with_line_needs(config: EngineConfig, args: argparse.Namespace, jobs: list[Job],
+                     group: ProcessGroup) -> EngineConfig:
     """The engine settings, plus what the lines need: the processor, and a slot per adapter they name.
 
     In a process group the followers never see the lines, so the lines change nothing there."""
-    overrides = _engine_overrides(args)
     for job in jobs:
         job.adapter = job.adapter or args.adapter
     if group.distributed:
-        return overrides
-    config = load_engine_config(args.config, **overrides)
+        return config
+    needs: dict[str, Any] = {}
     runs_programs = any(job.params.exec for job in jobs if job.params is not None)  # --exec, or a line's "exec"
     if runs_programs and args.exec_slots is None and not config.exec_slots:
-        overrides["exec_slots"] = DEFAULT_EXEC_SLOTS
+        needs["exec_slots"] = DEFAULT_EXEC_SLOTS
     adapters = _adapters_named(jobs)
     if adapters:  # every adapter the lines name is resident for the whole run, with those of the config
         preloaded = {parse_adapter_spec(spec)[0] for spec in config.adapters}
-        overrides["max_adapters"] = max(len(set(adapters) | preloaded), config.max_adapters)
-    return overrides
+        needs["max_adapters"] = max(len(set(adapters) | preloaded), config.max_adapters)
+    return config.replace(**needs) if needs else config
 
 
 def _adapters_named(jobs: list[Job]) -> list[str]:

@@ -19,7 +19,8 @@ from conftest import REPO, engine_toml
 from jaxinfer.batch import (
     DEFAULT_EXEC_SLOTS,
     UNDECODABLE_BYTE,
-    _line_overrides,
+    _engine_overrides,
+    _with_line_needs,
     default_params,
     parse_args,
     read_jobs,
@@ -294,5 +295,5 @@ def test_exec_slots_come_from_the_flag_then_the_config_then_the_default(
     argv += ["--exec-slots", flag] if flag is not None else []
     args = parse_args(argv)
     jobs = read_jobs(StringIO(obj(id=1, prompt="hi") + "\n"), default_params(args))
-    overrides = _line_overrides(args, jobs, ProcessGroup.resolve(environ={}))
-    assert load_engine_config(args.config, **overrides).exec_slots == expected  # what the engine gets
+    config = load_engine_config(args.config, **_engine_overrides(args))
+    assert _with_line_needs(config, args, jobs, ProcessGroup.resolve(environ={})).exec_slots == expected
