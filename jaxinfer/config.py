@@ -59,6 +59,11 @@ class ModelConfig:
             raise ConfigError(
                 f"unknown architecture {self.architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive whole number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -92,6 +97,8 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Reads a Hugging Face `config.json` dictionary (transformers 4.x or 5.x spelling)."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type", "")
         architecture = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
         if architecture is None:
@@ -99,12 +106,15 @@ class ModelConfig:
                 f"unknown architecture: config.json has model_type {model_type!r}; "
                 f"supported: llama, qwen2, qwen3"
             )
+        _refuse_unsupported_variants(hf)
         try:
             num_heads = int(hf["num_attention_heads"])
             hidden = int(hf["hidden_size"])
+            if num_heads <= 0:
+                raise ConfigError(f"num_attention_heads must be positive, got {num_heads}")
             rope = _hf_rope(hf)
             eos = hf.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
             return cls(
                 architecture=architecture,
                 vocab_size=int(hf["vocab_size"]),
@@ -126,6 +136,26 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ConfigError(f"config.json lacks the field {missing.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:  # a null, a string for a number, a list for a table
+            raise ConfigError(f"config.json has a field of the wrong type or value ({exc})") from None
+
+
+def _refuse_unsupported_variants(hf: dict[str, Any]) -> None:
+    """Settings that change the model's math in ways this engine does not implement: loading on
+    without them would run a different model than the checkpoint's, silently."""
+    if hf.get("quantization_config"):
+        method = (hf["quantization_config"] or {}).get("quant_method", "?") if isinstance(
+            hf["quantization_config"], dict) else "?"
+        raise ConfigError(f"quantization_config: quantized checkpoints ({method}) are not supported; use float "
+                          "weights or a GGUF file")
+    activation = hf.get("hidden_act", "silu")
+    if activation not in ("silu", "swish"):
+        raise ConfigError(f"hidden_act: {activation!r} is not supported (silu only)")
+    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
+    windowed = hf.get("use_sliding_window") or hf.get("model_type") == "mistral"  # qwen2 has a switch for it
+    if windowed and isinstance(window, int) and isinstance(longest, int) and window < longest:
+        raise ConfigError(f"sliding_window: sliding-window attention ({window} of {longest} positions) is not "
+                          "supported")
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:

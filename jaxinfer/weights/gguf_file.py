@@ -17,7 +17,7 @@ import gguf
 import numpy as np
 
 from jaxinfer.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, ConfigError
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -41,6 +41,7 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.kernel",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+READ_BY_CONFIG = ("rope_freqs.weight",)  # tensors that are settings, not parameters
 
 
 def engine_name(gguf_name: str) -> str | None:
@@ -112,28 +113,42 @@ class GGUFCheckpoint:
 
         num_heads = int(meta("attention.head_count"))
         hidden = int(meta("embedding_length"))
+        if num_heads <= 0 or int(meta("attention.head_count_kv", num_heads)) <= 0:
+            raise CheckpointError(f"{self.path}: GGUF metadata {arch}.attention.head_count and head_count_kv must "
+                                  "be positive")
+        scaling = str(self.field(f"{arch}.rope.scaling.type", "none"))
+        if scaling != "none":
+            raise CheckpointError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type is {scaling!r}; this engine "
+                                  "runs RoPE without scaling for GGUF files (or llama3 scaling from rope_freqs)")
         tokens = self.field("tokenizer.ggml.tokens") or []
         eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         rope_factors = self._rope_freq_factors()
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(self.field(f"{arch}.vocab_size") or len(tokens)),
-            hidden_size=hidden,
-            intermediate_size=int(meta("feed_forward_length")),
-            num_layers=int(meta("block_count")),
-            num_heads=num_heads,
-            num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
-            head_dim=int(meta("attention.key_length", hidden // num_heads)),
-            rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=float(meta("rope.freq_base", 10000.0)),
-            rope_freq_factors=rope_factors,
-            max_position_embeddings=int(meta("context_length", 4096)),
-            tie_word_embeddings="output.weight" not in self.tensor_names,
-            attention_bias="blk.0.attn_q.bias" in self.tensor_names,
-            qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
-            bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
-            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        )
+        head_dim = int(meta("attention.key_length", hidden // num_heads))
+        if rope_factors is not None and len(rope_factors) != head_dim // 2:
+            raise CheckpointError(f"{self.path}: tensor rope_freqs.weight has {len(rope_factors)} values, expected "
+                                  f"{head_dim // 2} (head_dim / 2)")
+        try:
+            return ModelConfig(
+                architecture=arch,
+                vocab_size=int(self.field(f"{arch}.vocab_size") or len(tokens)),
+                hidden_size=hidden,
+                intermediate_size=int(meta("feed_forward_length")),
+                num_layers=int(meta("block_count")),
+                num_heads=num_heads,
+                num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+                head_dim=head_dim,
+                rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
+                rope_theta=float(meta("rope.freq_base", 10000.0)),
+                rope_freq_factors=rope_factors,
+                max_position_embeddings=int(meta("context_length", 4096)),
+                tie_word_embeddings="output.weight" not in self.tensor_names,
+                attention_bias="blk.0.attn_q.bias" in self.tensor_names,
+                qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
+                bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
+                eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+            )
+        except ConfigError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from None
 
     def _rope_freq_factors(self) -> tuple[float, ...] | None:
         for tensor in self.reader.tensors:
@@ -145,6 +160,9 @@ class GGUFCheckpoint:
         for tensor in self.reader.tensors:
             name = engine_name(tensor.name)
             if name is None:
+                if tensor.name not in READ_BY_CONFIG:
+                    raise CheckpointError(f"{self.path}: tensor {tensor.name} is not part of a model this engine "
+                                          "runs (an unsupported variant of the architecture)")
                 continue
             try:
                 array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)

@@ -35,8 +35,11 @@ def checkpoint_name(name: str) -> str:
 def safetensors_files(folder: Path) -> list[Path]:
     index = folder / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        files = sorted({folder / name for name in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({folder / name for name in weight_map.values()})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({exc!r})") from None
     else:
         files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -53,11 +56,18 @@ def engine_name(hf_name: str) -> str:
     return _LINEAR.sub(lambda m: f".{m.group(1)}.kernel", hf_name)
 
 
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; integer or FP8 tensors are quantized weights
+
+
 def iter_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="numpy") as f:
                 for hf_name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    dtype = f.get_slice(hf_name).get_dtype()
+                    if dtype not in FLOAT_DTYPES:
+                        raise CheckpointError(f"{file}: tensor {hf_name} has dtype {dtype}; this engine loads "
+                                              f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
                     array = f.get_tensor(hf_name)
                     name = engine_name(hf_name)
                     if name.endswith(".kernel"):

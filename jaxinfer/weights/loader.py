@@ -66,12 +66,17 @@ def fill(
 
     `checkpoint_name` maps an engine parameter name to the checkpoint's, for error messages."""
     params = parameters(model)
-    filled: set[str] = set()
+    filled: dict[str, str] = {}
     for name, tensor_name, array in tensors:
         param = params.get(name)
         if param is None:
+            if not _ignorable(name):  # a layer past num_layers, a bias the config says is absent: wrong weights
+                raise CheckpointError(f"{source}: tensor {tensor_name} has no place in this model (its config "
+                                      "disagrees with its tensors, or it is a variant this engine does not run)")
             log.debug("%s: ignoring tensor %s", source, tensor_name)
             continue
+        if name in filled:
+            raise CheckpointError(f"{source}: tensor {tensor_name} appears twice (also as {filled[name]})")
         expected = tuple(param.get_value().shape)
         if tuple(array.shape) != expected:
             raise CheckpointError(
@@ -81,12 +86,18 @@ def fill(
         dtype = param.get_value().dtype
         sharding = named_sharding(expected, param.logical_axes, mesh)
         param.set_value(to_devices(_cast(array, dtype), sharding))
-        filled.add(name)
-    missing = sorted(checkpoint_name(name) for name in set(params) - filled)
+        filled[name] = tensor_name
+    missing = sorted(checkpoint_name(name) for name in set(params) - set(filled))
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise CheckpointError(f"{source}: missing tensor(s) {shown}")
     return model
+
+
+def _ignorable(name: str) -> bool:
+    """Checkpoint tensors with no parameter that change nothing: precomputed RoPE frequencies, and an
+    output projection that a tied model replaces with its embeddings (transformers ignores it too)."""
+    return name.endswith("rotary_emb.inv_freq") or name == "lm_head.kernel"
 
 
 def _cast(array: np.ndarray | jax.Array, dtype: jnp.dtype) -> np.ndarray | jax.Array:

@@ -1,0 +1,154 @@
+"""Checkpoints whose config and tensors disagree, or that need features the engine lacks, are refused
+with an error naming the file and the field, never loaded with missing or wrong weights.
+
+Tiny real checkpoints written here with the `safetensors` and `gguf` packages (no torch needed).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.errors import CheckpointError
+from jaxinfer.parallel import make_mesh
+from jaxinfer.weights import hf
+from jaxinfer.weights.gguf_file import checkpoint_name as gguf_name
+from jaxinfer.weights.loader import abstract_model, load_model, parameters
+
+CONFIG = dict(model_type="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=64,
+              tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh()
+
+
+def torch_layout_tensors(config: dict, names=hf.checkpoint_name, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random tensors for every parameter of `config`'s model, named and laid out as a checkpoint has them."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, param in parameters(abstract_model(ModelConfig.from_hf(config), jnp.float32, None)).items():
+        array = rng.standard_normal(tuple(param.get_value().shape)).astype(np.float32)
+        tensors[names(name)] = np.ascontiguousarray(array.T) if name.endswith(".kernel") else array
+    return tensors
+
+
+def write_hf(folder: Path, config: dict, tensors: dict[str, np.ndarray], shards: int = 1) -> Path:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    names = sorted(tensors)
+    for shard in range(shards):
+        save_file({n: tensors[n] for n in names[shard::shards]}, str(folder / f"model-{shard}.safetensors"))
+    return folder
+
+
+def test_a_well_formed_tiny_checkpoint_loads(tmp_path, mesh):
+    loaded = load_model(write_hf(tmp_path / "ok", CONFIG, torch_layout_tensors(CONFIG)), mesh, jnp.float32)
+    assert loaded.config.num_layers == 2
+
+
+def test_layers_past_the_config_s_count_are_refused(tmp_path, mesh):
+    """A 3-layer checkpoint whose config says 2 used to load its first two layers and drop the third."""
+    tensors = torch_layout_tensors(dict(CONFIG, num_hidden_layers=3))
+    with pytest.raises(CheckpointError, match=r"tensor model\.layers\.2\.\S+ has no place in this model"):
+        load_model(write_hf(tmp_path / "ckpt", CONFIG, tensors), mesh, jnp.float32)
+
+
+def test_biases_the_config_does_not_declare_are_refused(tmp_path, mesh):
+    tensors = torch_layout_tensors(CONFIG)
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(16, np.float32)
+    with pytest.raises(CheckpointError, match=r"q_proj\.bias has no place"):
+        load_model(write_hf(tmp_path / "ckpt", CONFIG, tensors), mesh, jnp.float32)
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path, mesh):
+    folder = write_hf(tmp_path / "ckpt", CONFIG, torch_layout_tensors(CONFIG), shards=2)
+    save_file({"model.norm.weight": np.ones(16, np.float32)}, str(folder / "model-9.safetensors"))
+    with pytest.raises(CheckpointError, match=r"tensor model\.norm\.weight appears twice"):
+        load_model(folder, mesh, jnp.float32)
+
+
+def test_integer_tensors_are_refused_not_cast(tmp_path, mesh):
+    tensors = torch_layout_tensors(CONFIG)
+    tensors["model.layers.0.self_attn.q_proj.weight"] = np.ones((16, 16), np.int8)
+    with pytest.raises(CheckpointError, match=r"q_proj\.weight has dtype I8; this engine loads float weights"):
+        load_model(write_hf(tmp_path / "ckpt", CONFIG, tensors), mesh, jnp.float32)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"hidden_act": "gelu"}, "hidden_act: 'gelu' is not supported"),
+    ({"model_type": "mistral", "sliding_window": 8}, r"sliding_window: .*\(8 of 64 positions\)"),
+    ({"use_sliding_window": True, "sliding_window": 16}, "sliding_window"),
+    ({"quantization_config": {"quant_method": "fp8"}}, r"quantization_config: quantized checkpoints \(fp8\)"),
+    ({"num_hidden_layers": -1}, "num_layers must be a positive whole number, got -1"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be positive"),
+    ({"vocab_size": None}, "config.json has a field of the wrong type or value"),
+    ({"rope_scaling": "llama3"}, "config.json has a field of the wrong type or value"),
+], ids=["gelu", "mistral_window", "qwen_window", "quantized", "negative_layers", "no_heads", "null", "string"])
+def test_config_values_the_engine_cannot_honour_name_the_field(tmp_path, mesh, change, message):
+    folder = write_hf(tmp_path / "ckpt", dict(CONFIG, **change), {})
+    with pytest.raises(CheckpointError, match=message):
+        load_model(folder, mesh, jnp.float32)
+
+
+def test_a_window_as_long_as_the_context_changes_nothing_and_loads(tmp_path, mesh):
+    config = dict(CONFIG, model_type="mistral", sliding_window=64)
+    assert load_model(write_hf(tmp_path / "ckpt", config, torch_layout_tensors(CONFIG)), mesh, jnp.float32)
+
+
+def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None,
+               config: dict = CONFIG) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_context_length(64)
+    writer.add_layer_norm_rms_eps(1e-5)
+    for key, value in (metadata or {}).items():
+        writer.add_uint32(key, value) if isinstance(value, int) else writer.add_string(key, value)
+    tokens = [f"t{i}" for i in range(config["vocab_size"])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    writer.add_eos_token_id(1)
+    for name, array in {**torch_layout_tensors(config, gguf_name), **(extra or {})}.items():
+        writer.add_tensor(name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_tiny_gguf_loads(tmp_path, mesh):
+    assert load_model(write_gguf(tmp_path / "ok.gguf"), mesh, jnp.float32).config.num_layers == 2
+
+
+def test_a_gguf_with_more_blocks_than_its_block_count_is_refused(tmp_path, mesh):
+    second_block = {n: a for n, a in torch_layout_tensors(CONFIG, gguf_name).items() if n.startswith("blk.1.")}
+    path = write_gguf(tmp_path / "model.gguf", config=dict(CONFIG, num_hidden_layers=1), extra=second_block)
+    with pytest.raises(CheckpointError, match=r"tensor blk\.1\.\S+ has no place in this model"):
+        load_model(path, mesh, jnp.float32)
+
+
+@pytest.mark.parametrize(("metadata", "extra", "message"), [
+    ({"llama.rope.scaling.type": "yarn"}, None, r"llama\.rope\.scaling\.type is 'yarn'"),
+    ({}, {"rope_freqs.weight": np.ones(7, np.float32)}, r"rope_freqs\.weight has 7 values, expected 2"),
+    ({}, {"blk.0.ffn_gate_exps.weight": np.ones((4, 4), np.float32)},
+     r"tensor blk\.0\.ffn_gate_exps\.weight is not part of a model this engine runs"),
+], ids=["rope_scaling", "rope_freqs_length", "unknown_tensor"])
+def test_gguf_settings_the_engine_cannot_honour_are_refused(tmp_path, mesh, metadata, extra, message):
+    with pytest.raises(CheckpointError, match=message):
+        load_model(write_gguf(tmp_path / "model.gguf", metadata, extra), mesh, jnp.float32)
