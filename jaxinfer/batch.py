@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -102,6 +103,14 @@ def default_params(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class _NonStandardNumber(Exception):
+    """NaN, Infinity or -Infinity in an input line."""
+
+
+def _refuse_constant(name: str) -> None:
+    raise _NonStandardNumber(name)
+
+
 def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
     """One input line as a job, or a job that carries the line's error (the other lines still run)."""
     undecodable = UNDECODABLE_BYTE.search(text)
@@ -109,9 +118,11 @@ def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
         byte, column = ord(undecodable.group()) - 0xDC00, undecodable.start() + 1
         return Job(number, None, error=f"line {number}: invalid UTF-8 (byte 0x{byte:02x} at column {column})")
     try:
-        record = json.loads(text)
+        record = json.loads(text, parse_constant=_refuse_constant)
     except json.JSONDecodeError as exc:
         return Job(number, None, error=f"line {number}: invalid JSON ({exc.msg}, column {exc.colno})")
+    except _NonStandardNumber as exc:  # Python's json reads them, but they are not JSON: the output could not be
+        return Job(number, None, error=f"line {number}: invalid JSON ({exc} is not a JSON number)")
     except ValueError:  # the one other ValueError json raises: Python's integer conversion limit
         return Job(number, None, error=f"line {number}: invalid JSON (an integer has more than "
                                        f"{sys.get_int_max_str_digits()} digits)")
@@ -178,6 +189,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return {"process_id": group.process_id, "steps_replayed": 0}
         return {"process_id": group.process_id, "steps_replayed": llm.serve_follower()}
     try:  # whatever ends the leader's run (a bad input file included) stops the followers too
+        check_output_paths(args)
         with _open_input(args.input) as stream:
             jobs = read_jobs(stream, defaults)
         llm = LLM(args.model, _with_line_needs(config, args, jobs, group), process_group=group, lockstep=channel)
@@ -327,13 +339,49 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
+    _write_whole(path, text, "--output")
+
+
+def _write_whole(path: str, text: str, flag: str) -> None:
+    """Writes a file through a temporary file of its own in the same folder, renamed over the target, so
+    a reader never sees half of it and two runs writing the same path do not share a temporary file."""
     target = Path(path)
-    tmp = target.with_name(target.name + ".tmp")
+    descriptor, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(target)  # never a half-written output file
+        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+            os.fchmod(out.fileno(), _file_mode(target))  # mkstemp's are 0600; an output is an ordinary file
+            out.write(text)
+        os.replace(tmp, target)
+    except OSError as exc:
+        raise JaxinferError(f"{flag}: cannot write {path} ({exc.strerror or exc})") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        Path(tmp).unlink(missing_ok=True)
+
+
+def _file_mode(target: Path) -> int:
+    """The mode a plain `open(target, "w")` would leave: the existing file's, or 0666 less the umask."""
+    if target.exists():
+        return target.stat().st_mode & 0o777
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Fails before the model loads, rather than losing a finished run's results at the end."""
+    for flag, path in (("--output", args.output), ("--stats-json", args.stats_json)):
+        if not path or path == "-":
+            continue
+        target = Path(path)
+        if target.is_dir():
+            raise JaxinferError(f"{flag}: {path} is a folder")
+        if not target.parent.is_dir():
+            raise JaxinferError(f"{flag}: folder not found: {target.parent}")
+        if not os.access(target.parent, os.W_OK):
+            raise JaxinferError(f"{flag}: folder not writable: {target.parent}")
+        if args.input != "-" and target.exists() and Path(args.input).exists() \
+                and os.path.samefile(args.input, target):
+            raise JaxinferError(f"{flag}: {path} is the input file; the run would replace it")
 
 
 def _json_line(record: dict[str, Any]) -> str:
@@ -368,7 +416,11 @@ def main(argv: list[str] | None = None) -> int:
     if summary["xla_compiles_after_warmup"]:  # each one stalled the run; warm-up should have made it
         print(f"warning: {summary['xla_compiles_after_warmup']} XLA programs compiled after warm-up", file=sys.stderr)
     if args.stats_json:
-        Path(args.stats_json).write_text(json.dumps(summary) + "\n")
+        try:
+            _write_whole(args.stats_json, json.dumps(summary) + "\n", "--stats-json")
+        except JaxinferError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

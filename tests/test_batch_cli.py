@@ -75,6 +75,8 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     ('{"id": "latin-1", "prompt": "caf\udce9"}', ("invalid UTF-8", "0xe9", "column 33")),  # a raw 0xE9 byte
     ('{"id": "surrogate", "prompt": "Hi \\ud800"}', ("prompt", "unpaired surrogate")),  # a JSON escape
     ('{"id": "lone \\udc00 id", "prompt": "Hi", "max_tokens": 2}', None),  # written back escaped
+    # Python's json reads NaN; written back, it made an output line that is not JSON.
+    ('{"id": NaN, "prompt": "x"}', ("invalid JSON", "NaN is not a JSON number")),
 ]
 NON_BLANK = [(number, text, expect) for number, (text, expect) in enumerate(LINES, 1) if text.strip()]
 BAD = [(number, expect) for number, _, expect in NON_BLANK if expect is not None]
@@ -86,7 +88,7 @@ def parse(text: str):
     if UNDECODABLE_BYTE.search(text):
         return None
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=lambda name: int("not a JSON number"))
     except (ValueError, RecursionError):
         return None
 
@@ -258,7 +260,30 @@ def test_unknown_model_exits_2_listing_known_names(tmp_path):
     assert proc.stdout == ""
     # Nothing was written: the old file is intact and no temporary file is left behind.
     assert out.read_text() == "previous contents\n"
-    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+
+
+@pytest.mark.parametrize(("case", "message"), [
+    ("missing-folder", "--output: folder not found"),
+    ("folder", "is a folder"),
+    ("same-as-input", "is the input file; the run would replace it"),
+    ("stats-missing-folder", "--stats-json: folder not found"),
+])
+def test_output_paths_are_checked_before_the_model_loads(tmp_path, case, message):
+    """Before, a missing folder failed with a traceback after the whole run (its results lost), and an
+    output naming the input replaced it."""
+    source = tmp_path / "in.jsonl"
+    source.write_text(obj(id=1, prompt="hi") + "\n")
+    (tmp_path / "outdir").mkdir()
+    output = {"missing-folder": tmp_path / "no" / "out.jsonl", "folder": tmp_path / "outdir",
+              "same-as-input": source}.get(case, tmp_path / "out.jsonl")
+    extra = ["--stats-json", str(tmp_path / "no" / "stats.json")] if case.startswith("stats") else []
+    proc = batch("--model", "does-not-exist", "--input", str(source), "--output", str(output), "--no-progress",
+                 *extra, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert "does-not-exist" not in proc.stderr  # refused before the model was looked up
+    assert source.read_text() == obj(id=1, prompt="hi") + "\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "outdir"]
 
 
 def test_missing_input_exits_nonzero_with_a_clear_message(tmp_path):
@@ -267,8 +292,7 @@ def test_missing_input_exits_nonzero_with_a_clear_message(tmp_path):
     assert proc.returncode != 0
     assert "Traceback" not in proc.stderr
     assert "--input" in proc.stderr and "/nonexistent.jsonl" in proc.stderr and "not found" in proc.stderr
-    assert not out.exists()
-    assert not (tmp_path / "out.jsonl.tmp").exists()
+    assert not out.exists() and list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -154,6 +154,15 @@ def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
                    {"base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta":
                     rng.normal(size=(1, 576))}, "not tokens added"),
         "partner": ({"r": 4}, {name.format(0, "A"): rng.normal(size=(4, 576))}, "without its partner"),
+        # One non-finite slot turned every row of a batch to NaN, requests without an adapter included.
+        "nan": ({"r": 4}, {name.format(0, "A"): rng.normal(size=(4, 576)),
+                           name.format(0, "B"): np.full((576, 4), np.nan)}, "lora_B holds NaN or infinite"),
+        "alpha": ({"r": 4, "lora_alpha": float("inf")}, {name.format(0, "A"): rng.normal(size=(4, 576)),
+                                                          name.format(0, "B"): rng.normal(size=(576, 4))},
+                  "lora_alpha a finite number"),
+        "indices": ({"r": 4, "trainable_token_indices": ["5"]},
+                    {"base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta":
+                     rng.normal(size=(1, 576))}, "trainable_token_indices must be a list of token ids"),
     }
     lora_llm.unload_adapter("b")  # a free slot: each refusal is about the adapter, not the count
     try:
@@ -166,6 +175,9 @@ def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
         (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({"r": 4, "use_dora": True}))
         (tmp_path / "dora" / SAFETENSORS_FILE).write_bytes(b"")
         with pytest.raises(CheckpointError, match="use_dora"):
+            lora_llm.load_adapter("dora", str(tmp_path / "dora"))
+        (tmp_path / "dora" / "adapter_config.json").write_text("[4]")  # was an AttributeError, ending a batch run
+        with pytest.raises(CheckpointError, match="must hold a JSON object, got list"):
             lora_llm.load_adapter("dora", str(tmp_path / "dora"))
         assert [a.name for a in lora_llm.list_adapters()] == ["a"]  # nothing half-loaded
         for linear in lora_llm.runner.adapters.linears.values():

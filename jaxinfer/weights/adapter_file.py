@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not an adapter folder (no {CONFIG_FILE})") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"{path / CONFIG_FILE}: unreadable ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path / CONFIG_FILE}: must hold a JSON object, got {type(config).__name__}")
     if config.get("peft_type", "LORA") != "LORA":
         raise CheckpointError(f"{path / CONFIG_FILE}: peft_type {config.get('peft_type')!r}; only LORA is served")
     for flag in ("use_dora", "fan_in_fan_out"):
@@ -128,8 +131,10 @@ def _read_tensors(path: Path) -> dict[str, np.ndarray]:
 
 def _rank_and_scale(path: Path, config: dict[str, Any]) -> tuple[int, float]:
     rank, alpha = config.get("r"), config.get("lora_alpha", 8)  # PEFT's default alpha
-    if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, int | float):
-        raise CheckpointError(f"{path / CONFIG_FILE}: r must be a positive integer and lora_alpha a number")
+    rank_ok = isinstance(rank, int) and not isinstance(rank, bool) and rank > 0
+    alpha_ok = isinstance(alpha, int | float) and not isinstance(alpha, bool) and math.isfinite(alpha)
+    if not (rank_ok and alpha_ok):
+        raise CheckpointError(f"{path / CONFIG_FILE}: r must be a positive integer and lora_alpha a finite number")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise CheckpointError(f"{path / CONFIG_FILE}: rank_pattern / alpha_pattern are not supported")
     return rank, alpha / (rank**0.5 if config.get("use_rslora") else rank)
@@ -152,8 +157,18 @@ def _modules(path: Path, tensors: dict[str, np.ndarray], rank: int, scale: float
         a, b = pair["A"], pair["B"]
         if a.ndim != 2 or b.ndim != 2 or a.shape[0] != rank or b.shape[1] != rank:
             raise CheckpointError(f"{path}: {module}: lora_A {a.shape} / lora_B {b.shape} do not match r={rank}")
-        modules[module] = (a.T.astype(np.float32), (b.T * scale).astype(np.float32))
+        modules[module] = (_finite(path, f"{module}.lora_A", a.T), _finite(path, f"{module}.lora_B", b.T * scale))
     return modules
+
+
+def _finite(path: Path, name: str, values: np.ndarray) -> np.ndarray:
+    """`values` as float32, refusing NaN and infinities (also those a float64 value overflows to): one
+    non-finite slot would turn every row of a batch to NaN, requests without an adapter included."""
+    cast = np.asarray(values, np.float32)
+    if not np.isfinite(cast).all():
+        raise CheckpointError(f"{path}: {name} holds NaN or infinite values (after scaling by lora_alpha / r and "
+                              "casting to float32)")
+    return cast
 
 
 def _token_rows(path: Path, config: dict[str, Any], tensors: dict[str, np.ndarray]
@@ -161,13 +176,16 @@ def _token_rows(path: Path, config: dict[str, Any], tensors: dict[str, np.ndarra
     indices = config.get("trainable_token_indices") or ()
     if isinstance(indices, dict):
         indices = indices.get("embed_tokens", ())
+    ids = isinstance(indices, list | tuple) and all(isinstance(i, int) and not isinstance(i, bool) for i in indices)
+    if not ids:
+        raise CheckpointError(f"{path / CONFIG_FILE}: trainable_token_indices must be a list of token ids")
     rows = next((value for name, value in tensors.items() if TOKENS_KEY.match(name)), None)
     if rows is None and not indices:
         return (), None
     if rows is None or rows.ndim != 2 or rows.shape[0] != len(indices):
         raise CheckpointError(f"{path}: trainable_token_indices lists {len(indices)} ids but the trainable "
                               f"tokens tensor is {None if rows is None else rows.shape}")
-    return tuple(int(i) for i in indices), rows.astype(np.float32)
+    return tuple(int(i) for i in indices), _finite(path, "trainable tokens", rows)
 
 
 def _digest(config: dict[str, Any], tensors: dict[str, np.ndarray]) -> str:
