@@ -13,6 +13,7 @@ import gguf
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import llama3_tokenizer_json
 from safetensors.numpy import save_file
 
 from jaxinfer.config import ModelConfig
@@ -106,7 +107,7 @@ def test_a_window_as_long_as_the_context_changes_nothing_and_loads(tmp_path, mes
 
 
 def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None,
-               config: dict = CONFIG) -> Path:
+               config: dict = CONFIG, token_types: list[int] | None = None, merges: list[str] = ()) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
@@ -120,8 +121,8 @@ def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.nda
     tokens = [f"t{i}" for i in range(config["vocab_size"])]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([1] * len(tokens))
-    writer.add_token_merges([])
+    writer.add_token_types([1] * len(tokens) if token_types is None else token_types)
+    writer.add_token_merges(list(merges))
     writer.add_eos_token_id(1)
     for name, array in {**torch_layout_tensors(config, gguf_name), **(extra or {})}.items():
         writer.add_tensor(name, array)
@@ -152,3 +153,45 @@ def test_a_gguf_with_more_blocks_than_its_block_count_is_refused(tmp_path, mesh)
 def test_gguf_settings_the_engine_cannot_honour_are_refused(tmp_path, mesh, metadata, extra, message):
     with pytest.raises(CheckpointError, match=message):
         load_model(write_gguf(tmp_path / "model.gguf", metadata, extra), mesh, jnp.float32)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(token_types=[1] * 10), "tokenizer.ggml.token_type has 10 entries for 32 tokens"),
+    (dict(merges=["t1t2"]), "tokenizer.ggml.merges holds an entry that is not two tokens"),
+    (dict(merges=["zz t1"]), "tokenizer.ggml.merges: .*zz"),
+], ids=["short_types", "merge_without_space", "merge_of_unknown_token"])
+def test_malformed_gguf_vocabularies_name_the_field(tmp_path, kwargs, message):
+    """Each used to escape as a ValueError, TypeError or bare Exception from the tokenizers library."""
+    from jaxinfer.tokenizer.gguf_vocab import backend_from_gguf
+    from jaxinfer.weights.gguf_file import GGUFCheckpoint
+
+    with pytest.raises(CheckpointError, match=message):
+        backend_from_gguf(GGUFCheckpoint(write_gguf(tmp_path / "model.gguf", **kwargs)))
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("tokenizer.json", "{not json", r"tokenizer\.json: not a tokenizers file"),
+    ("tokenizer_config.json", "{not json", r"tokenizer_config\.json: unreadable JSON"),
+    ("generation_config.json", "[2]", r"generation_config\.json: must hold a JSON object, got list"),
+])
+def test_malformed_tokenizer_folders_name_the_file(tmp_path, name, text, message):
+    import shutil
+
+    from jaxinfer import tokenizer
+
+    shutil.copy(llama3_tokenizer_json(), tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))  # a Hugging Face folder
+    (tmp_path / name).write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        tokenizer.load(str(tmp_path))
+
+
+def test_out_of_range_eos_ids_in_generation_config_are_dropped(tmp_path):
+    import shutil
+
+    from jaxinfer import tokenizer
+
+    shutil.copy(llama3_tokenizer_json(), tmp_path / "tokenizer.json")
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    (tmp_path / "generation_config.json").write_text('{"eos_token_id": [-1, 10000000, 128009]}')  # -1 overflowed
+    assert 128009 in tokenizer.load(str(tmp_path)).eos_ids  # was an OverflowError

@@ -96,9 +96,11 @@ def _from_folder(folder: Path, chat_template: str | None) -> Tokenizer:
     tokenizer_file = folder / "tokenizer.json"
     if not tokenizer_file.exists():
         raise CheckpointError(f"{folder}: no tokenizer.json")
-    backend = Backend.from_file(str(tokenizer_file))
-    config_file = folder / "tokenizer_config.json"
-    config = json.loads(config_file.read_text()) if config_file.exists() else {}
+    try:
+        backend = Backend.from_file(str(tokenizer_file))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a malformed file
+        raise CheckpointError(f"{tokenizer_file}: not a tokenizers file ({exc})") from None
+    config = _json_object(folder / "tokenizer_config.json")
     template_file = folder / "chat_template.jinja"
     family_template, family_bos, family_eos = _family_template(backend)
     template = chat_template or config.get("chat_template")
@@ -118,9 +120,20 @@ def _from_folder(folder: Path, chat_template: str | None) -> Tokenizer:
 
 
 def _generation_eos(folder: Path, backend: Backend) -> list[str]:
-    path = folder / "generation_config.json"
-    if not path.exists():
-        return []
-    ids = json.loads(path.read_text()).get("eos_token_id")
+    ids = _json_object(folder / "generation_config.json").get("eos_token_id")
     ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
-    return [t for t in (backend.id_to_token(i) for i in ids) if t]
+    valid = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < backend.get_vocab_size()]
+    return [t for t in (backend.id_to_token(i) for i in valid) if t]
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; {} when the file is absent."""
+    if not path.exists():
+        return {}
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: unreadable JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: must hold a JSON object, got {type(value).__name__}")
+    return value

@@ -45,7 +45,15 @@ def backend_from_gguf(checkpoint: GGUFCheckpoint) -> Backend:
     tokens: list[str] = list(checkpoint.field("tokenizer.ggml.tokens") or [])
     merges = [tuple(m.split(" ", 1)) for m in checkpoint.field("tokenizer.ggml.merges") or []]
     types = list(checkpoint.field("tokenizer.ggml.token_type") or [1] * len(tokens))
-    backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    if len(types) != len(tokens):
+        raise CheckpointError(f"{checkpoint.path}: tokenizer.ggml.token_type has {len(types)} entries for "
+                              f"{len(tokens)} tokens")
+    if any(len(merge) != 2 for merge in merges):
+        raise CheckpointError(f"{checkpoint.path}: tokenizer.ggml.merges holds an entry that is not two tokens")
+    try:
+        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+    except Exception as exc:  # the tokenizers library raises a bare Exception (a merge of an unknown token)
+        raise CheckpointError(f"{checkpoint.path}: tokenizer.ggml.merges: {exc}") from None
     backend.pre_tokenizer = _pre_tokenizer(str(checkpoint.field("tokenizer.ggml.pre", "gpt2")))
     backend.decoder = decoders.ByteLevel()
     typed = list(zip(tokens, types, strict=True))

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.parallel import named_sharding
 from jaxinfer.weights.registry import ORBAX_MARKER
 
@@ -68,7 +68,10 @@ def read_meta(folder: Path) -> dict[str, Any]:
 
 
 def read_config(folder: Path) -> ModelConfig:
-    return ModelConfig.from_dict(read_meta(folder)["model_config"])
+    try:
+        return ModelConfig.from_dict(read_meta(folder)["model_config"])
+    except (KeyError, TypeError, ValueError, ConfigError) as exc:  # a marker from another version, or edited
+        raise CheckpointError(f"{folder / ORBAX_MARKER}: model_config is missing or invalid ({exc})") from None
 
 
 def from_target(folder: Path) -> list[str]:
