@@ -151,6 +151,9 @@ class LLM:
             tokenizers_.from_gguf(gguf_file) if gguf_file is not None else tokenizers_.load(checkpoint.path)
         )
         self.tokenizer.guard = cfg.tokenizer_guard
+        if self.tokenizer.vocab_size > loaded.config.vocab_size:  # ids past the embedding could not be run
+            raise CheckpointError(f"{checkpoint.path}: the tokenizer has {self.tokenizer.vocab_size} tokens but the "
+                                  f"model's embedding only {loaded.config.vocab_size} rows (vocab_size)")
         if cfg.exec_slots:  # the processor's control tokens; the model grows zero rows for new ids
             ids = self.tokenizer.add_control_tokens(CONTROL_TOKENS)
             loaded.model.extend_vocabulary(max(ids.values()) + 1)  # no-op when the vocabulary has them

@@ -107,7 +107,8 @@ def test_a_window_as_long_as_the_context_changes_nothing_and_loads(tmp_path, mes
 
 
 def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None,
-               config: dict = CONFIG, token_types: list[int] | None = None, merges: list[str] = ()) -> Path:
+               config: dict = CONFIG, token_types: list[int] | None = None, merges: list[str] = (),
+               num_tokens: int | None = None) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
@@ -118,7 +119,7 @@ def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.nda
     writer.add_layer_norm_rms_eps(1e-5)
     for key, value in (metadata or {}).items():
         writer.add_uint32(key, value) if isinstance(value, int) else writer.add_string(key, value)
-    tokens = [f"t{i}" for i in range(config["vocab_size"])]
+    tokens = [f"t{i}" for i in range(num_tokens or config["vocab_size"])]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * len(tokens) if token_types is None else token_types)
@@ -195,3 +196,13 @@ def test_out_of_range_eos_ids_in_generation_config_are_dropped(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     (tmp_path / "generation_config.json").write_text('{"eos_token_id": [-1, 10000000, 128009]}')  # -1 overflowed
     assert 128009 in tokenizer.load(str(tmp_path)).eos_ids  # was an OverflowError
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_at_load(tmp_path):
+    """Its extra ids could never be embedded: before, the model loaded and a prompt that tokenized to
+    one of them failed as if the client had sent a bad id."""
+    from jaxinfer import LLM
+
+    path = write_gguf(tmp_path / "model.gguf", metadata={"llama.vocab_size": 32}, num_tokens=40)
+    with pytest.raises(CheckpointError, match="the tokenizer has 40 tokens but the model's embedding only 32 rows"):
+        LLM(str(path), warmup=False, num_pages=16, page_size=8, max_seqs=2, token_buckets=(8,))
