@@ -12,7 +12,10 @@ needs from step N's output on the device. A sequence that step N finishes has on
 vain by step N+1 (counted in `discarded_samples`); outputs are the same as with overlap off.
 Sampling keys depend only on the seed and the number of tokens generated, so in float32 neither
 overlap, batching nor preemption changes a request's output; in bfloat16 a recomputed
-(differently batched) prefix can differ by rounding, as in any engine that recomputes.
+(differently batched) prefix can differ by rounding, as in any engine that recomputes. With a draft
+model this holds for greedy requests; a seeded sampled request is distributed exactly as without a
+draft, but which tokens it draws depends on where its speculative rounds begin (see
+docs/architecture.md, "Reproducibility").
 """
 
 from __future__ import annotations
