@@ -287,3 +287,33 @@ def test_run_slots_refuses_wasi_calls_and_imported_memory_is_unsupported() -> No
         run_slots(program("(call $put (i32.const 1) (i32.const 0) (i32.const 1))"), "main", [[]])
     with pytest.raises(Unsupported, match="imported memory"):
         run('(module (import "env" "mem" (memory 1)) (func (export "main") (result i32) (i32.const 1)))')
+
+
+def test_programs_of_one_tenant_running_at_once_share_its_quota(root: Path) -> None:
+    """Each program used to check its writes against the files on disk alone, so two programs of one
+    tenant could each stay under the quota and together commit past it."""
+    import struct
+
+    import numpy as np
+
+    from jaxinfer.processor.wasi import QuotaExceeded, Syscalls
+
+    running: list[Syscalls] = []
+    first, second, other_tenant = (Syscalls(mapping(root, tenant, name, quota=1000), running=lambda: running)
+                                   for tenant, name in (("acme", "a.bin"), ("acme", "b.bin"), ("globex", "c.bin")))
+    running += [first, second, other_tenant]
+    memory = np.zeros(65536 + 8, np.uint8)
+
+    def write(syscalls: Syscalls, length: int) -> int:  # one iovec at 0: `length` bytes from address 64
+        memory[:8] = np.frombuffer(struct.pack("<II", 64, length), np.uint8)
+        return syscalls.fd_write(memory, 3, 0, 1, 8)
+
+    assert write(first, 600) == 0  # 600 staged + acme's 11 on disk
+    assert write(other_tenant, 600) == 0  # another tenant's quota
+    with pytest.raises(QuotaExceeded):
+        write(second, 600)  # 600 + 11 + the first program's 600
+    first.commit()
+    running.remove(first)
+    with pytest.raises(QuotaExceeded):
+        write(second, 600)  # the same bytes, now on disk
+    assert write(second, 300) == 0

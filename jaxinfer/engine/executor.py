@@ -117,7 +117,8 @@ class Executor:
             compiled = compile_module(source)
             base = (snapshot.memory, snapshot.pages) if snapshot and compiled.program.memory else None
             image = self.unit.prepare(compiled, limit, base, trace=True, memory_pages=seq.params.exec_memory_pages)
-            syscalls = Syscalls(file_mapping(self.cfg, seq.request))
+            syscalls = Syscalls(file_mapping(self.cfg, seq.request),
+                                running=lambda: [run.syscalls for run in self.runs.values()])
         except (ValueError, OSError) as error:  # malformed, invalid, unsupported, or a file that went away
             self._reject(seq, module_hash(source), _rejection(error))
             return

@@ -16,7 +16,7 @@ byte quota is a trap.
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
@@ -135,6 +135,10 @@ class Syscalls:
     stderr: bytearray = field(default_factory=bytearray)
     files: dict[int, MappedFile] = field(default_factory=dict)
     touched: set[str] = field(default_factory=set)  # mapped paths read or written
+    # The other programs running now (the executor's): their staged growth counts for the tenant's quota,
+    # so two programs of one tenant cannot each stay under it and together commit past it.
+    running: Callable[[], Iterable[Syscalls]] = field(default=lambda: ())
+
     def __post_init__(self) -> None:
         left = self.mapping.quota_bytes if self.mapping else 0
         for index, relative in enumerate(self.mapping.paths if self.mapping else ()):
@@ -163,7 +167,8 @@ class Syscalls:
                 return ERRNO_BADF
             end = handle.position + total
             growth = max(0, end - len(handle.data))
-            if growth and self._staged_bytes() + growth + self._committed_elsewhere() > self.mapping.quota_bytes:
+            if growth and self._staged_bytes() + growth + self._committed_elsewhere() + self._growth_of_others() \
+                    > self.mapping.quota_bytes:
                 raise QuotaExceeded(f"tenant quota of {self.mapping.quota_bytes} bytes exceeded")
             if handle.position > len(handle.data):  # written past the end after a seek: the gap reads as zeros
                 handle.data.extend(bytes(handle.position - len(handle.data)))
@@ -227,6 +232,15 @@ class Syscalls:
 
     def _staged_bytes(self) -> int:
         return sum(len(handle.data) for handle in self.files.values())
+
+    def staged_growth(self) -> int:
+        """Bytes this program's commit would add to its tenant's files."""
+        return sum(max(0, len(handle.data) - handle.original_size) for handle in self.files.values() if handle.dirty)
+
+    def _growth_of_others(self) -> int:
+        folder = self.mapping.folder
+        return sum(other.staged_growth() for other in self.running()
+                   if other is not self and other.mapping is not None and other.mapping.folder == folder)
 
     def _committed_elsewhere(self) -> int:
         """Bytes of the tenant's files that this program did not map (they count for the quota)."""
