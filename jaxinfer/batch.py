@@ -345,9 +345,9 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
 def _write_whole(path: str, text: str, flag: str) -> None:
     """Writes a file through a temporary file of its own in the same folder, renamed over the target, so
     a reader never sees half of it and two runs writing the same path do not share a temporary file."""
-    target = Path(path)
-    descriptor, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    target, tmp = Path(path), None
     try:
+        descriptor, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         with os.fdopen(descriptor, "w", encoding="utf-8") as out:
             os.fchmod(out.fileno(), _file_mode(target))  # mkstemp's are 0600; an output is an ordinary file
             out.write(text)
@@ -355,16 +355,26 @@ def _write_whole(path: str, text: str, flag: str) -> None:
     except OSError as exc:
         raise JaxinferError(f"{flag}: cannot write {path} ({exc.strerror or exc})") from None
     finally:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 def _file_mode(target: Path) -> int:
     """The mode a plain `open(target, "w")` would leave: the existing file's, or 0666 less the umask."""
     if target.exists():
         return target.stat().st_mode & 0o777
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process umask, read without setting it (`os.umask` would change it for other threads a moment)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def check_output_paths(args: argparse.Namespace) -> None:

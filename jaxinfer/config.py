@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import tomllib
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
@@ -127,7 +130,7 @@ class ModelConfig:
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 rope_theta=rope[0],
                 rope_scaling=rope[1],
-                max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+                max_position_embeddings=_context_within_window(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=architecture == "qwen2" or bool(hf.get("attention_bias", False)),
                 qk_norm=architecture == "qwen3",
@@ -151,11 +154,20 @@ def _refuse_unsupported_variants(hf: dict[str, Any]) -> None:
     activation = hf.get("hidden_act", "silu")
     if activation not in ("silu", "swish"):
         raise ConfigError(f"hidden_act: {activation!r} is not supported (silu only)")
-    window, longest = hf.get("sliding_window"), hf.get("max_position_embeddings", 4096)
+
+
+def _context_within_window(hf: dict[str, Any]) -> int:
+    """The positions the engine runs the model at: `max_position_embeddings`, or a sliding window
+    shorter than it. The engine attends to every earlier token, which equals sliding-window
+    attention exactly while the context fits in the window (Mistral v0.1's 4096 of 32768)."""
+    longest = int(hf.get("max_position_embeddings", 4096))
+    window = hf.get("sliding_window")
     windowed = hf.get("use_sliding_window") or hf.get("model_type") == "mistral"  # qwen2 has a switch for it
-    if windowed and isinstance(window, int) and isinstance(longest, int) and window < longest:
-        raise ConfigError(f"sliding_window: sliding-window attention ({window} of {longest} positions) is not "
-                          "supported")
+    if windowed and isinstance(window, int) and not isinstance(window, bool) and 0 < window < longest:
+        log.warning("sliding_window %d of %d positions: the context is capped at the window, where full "
+                    "attention is the same", window, longest)
+        return window
+    return longest
 
 
 def _hf_rope(hf: dict[str, Any]) -> tuple[float, RopeScaling | None]:

@@ -115,6 +115,9 @@ def test_engine_counts_downgrades_and_audits_the_request(smollm2_llm, caplog):
 SPACE_THEN_TRIM = "{% for m in messages %}<|im_start|>{{ m.role }}: {{ m.content | trim }}<|im_end|>\n{% endfor %}"
 SKIPS_EMPTY = ("{% for m in messages %}{% if m.content %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Mistral v0.3's shape: the user's content as it is, the assistant's trimmed after the template's own space.
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}{{ '[INST] ' + m.content + ' [/INST]' }}"
+           "{% elif m.role == 'assistant' %}{{ ' ' + m.content | trim + eos_token }}{% endif %}{% endfor %}")
 TOJSON = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content | tojson }}<|im_end|>\n{% endfor %}"
 
 
@@ -128,14 +131,16 @@ def with_template(tok, source: str):
     return custom
 
 
-@pytest.mark.parametrize("source", [SPACE_THEN_TRIM, SKIPS_EMPTY], ids=["space_then_trim", "skips_empty"])
+@pytest.mark.parametrize("source", [SPACE_THEN_TRIM, SKIPS_EMPTY, MISTRAL],
+                         ids=["space_then_trim", "skips_empty", "mistral"])
 def test_non_stock_templates_encode_exactly_what_they_render(source):
     """The segments must reproduce the template's render: before, a template's own space next to
     trimmed content was taken for the probe's padding ("user:hi" for "user: hi"), and an empty
     content skipped by `if m.content` was rendered as an empty turn."""
     tok = with_template(load("smollm2-135m"), source)
     messages = [{"role": "system", "content": "  be brief  "}, {"role": "user", "content": "Hi <|im_end|> there"},
-                {"role": "assistant", "content": ""}, {"role": "user", "content": "again"}]
+                {"role": "assistant", "content": ""}, {"role": "user", "content": "Summarize:\n"},
+                {"role": "assistant", "content": "Sure.\n"}]
     benign = [dict(m, content="plain words" if m["content"] else "") for m in messages]
     report = GuardReport()
     ids = tok.encode_chat(messages, report=report)

@@ -211,10 +211,11 @@ def release_fifo(path: Path) -> None:
 
 
 def test_a_read_that_never_completes_is_a_miss_after_the_deadline(tmp_path):
-    """A FIFO at a page's path blocks tensorstore's read forever (a hung network filesystem does the same):
-    the read ends as a miss at the deadline, the page leaves the index, and opening the store again
-    leaves it out instead of waiting on its header."""
-    store = PageStore(str(tmp_path), IDENTITY, timeout_seconds=0.5)
+    """A FIFO at a page's path blocks tensorstore's read forever, as a hung network filesystem does
+    (through a `file://` URL the store does not look at the path itself): the read ends as a miss at
+    the deadline, the page leaves the index, reads rest for a while (misses at once, not a wait
+    each), and opening the store again leaves the page out instead of waiting on its header."""
+    store = PageStore(f"file://{tmp_path}/", IDENTITY, timeout_seconds=0.5)
     for i, key in enumerate(KEYS[:3]):
         store.put(key, page(i))
     fifo = value_file(tmp_path, store, KEYS[1])
@@ -229,8 +230,26 @@ def test_a_read_that_never_completes_is_a_miss_after_the_deadline(tmp_path):
         assert sorted(got) == sorted([KEYS[0], KEYS[2]]) and np.array_equal(got[KEYS[2]], page(2))
         assert (store.stats.timeouts, store.stats.misses, store.stats.corrupt) == (1, 1, 0)
         assert KEYS[1] not in store and KEYS[0] in store
-        reopened = PageStore(str(tmp_path), IDENTITY, timeout_seconds=0.5)
+        assert store.resting() and store.get(KEYS[0]) is None and store.stats.misses == 2  # no wait
+        reopened = PageStore(f"file://{tmp_path}/", IDENTITY, timeout_seconds=0.5)
         assert reopened.num_pages == 2 and KEYS[1] not in reopened and reopened.stats.timeouts == 1
         assert fifo.exists()  # slow is not damaged: nothing is deleted for it
     finally:
         release_fifo(fifo)
+
+
+def test_a_fifo_at_a_local_page_path_is_removed_without_reading_it(tmp_path):
+    """With a local path the store checks what is there first: a FIFO would hold a tensorstore I/O
+    thread for good even after the deadline, and enough of them stall every later read and write."""
+    store = PageStore(str(tmp_path), IDENTITY, timeout_seconds=30)
+    for i, key in enumerate(KEYS[:2]):
+        store.put(key, page(i))
+    fifo = value_file(tmp_path, store, KEYS[1])
+    fifo.unlink()
+    os.mkfifo(fifo)
+    started = time.perf_counter()
+    got = store.read_async(KEYS[:2]).pages()
+    assert time.perf_counter() - started < 5 and sorted(got) == [KEYS[0]]
+    assert (store.stats.corrupt, store.stats.timeouts) == (1, 0) and not fifo.exists() and KEYS[1] not in store
+    os.mkfifo(fifo)  # one planted before a (re)open: the scan skips and removes it too
+    assert PageStore(str(tmp_path), IDENTITY, timeout_seconds=30).num_pages == 1 and not fifo.exists()

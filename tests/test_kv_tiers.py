@@ -248,7 +248,7 @@ def test_a_stored_page_that_never_arrives_is_recomputed_after_the_deadline(smoll
     """A FIFO at a stored page's path blocks its read forever, as a hung network filesystem would:
     the request waits no longer than `kv_store_timeout_seconds`, then computes that page and the rest
     itself, with the same output; a running request keeps decoding meanwhile."""
-    store = PageStore(str(tmp_path), identity(smollm2_llm), timeout_seconds=1.0)
+    store = PageStore(f"file://{tmp_path}/", identity(smollm2_llm), timeout_seconds=1.0)  # URL: no path checks
     engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
     request = smollm2_llm.request(SYSTEM + "When is high tide?", GREEDY)
     reference = engine.generate([request])[0]

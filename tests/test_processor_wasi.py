@@ -317,3 +317,33 @@ def test_programs_of_one_tenant_running_at_once_share_its_quota(root: Path) -> N
     with pytest.raises(QuotaExceeded):
         write(second, 600)  # the same bytes, now on disk
     assert write(second, 300) == 0
+
+
+def test_a_new_tenant_s_first_commit_creates_its_folder(root: Path) -> None:
+    data = '(data (i32.const 64) "hello")'
+    write = "(call $put (i32.const 3) (i32.const 64) (i32.const 5))"
+    result = run(program(write, data), files=mapping(root, "newco", "notes/out.txt"))
+    assert result.trap is None and (root / "newco" / "notes" / "out.txt").read_bytes() == b"hello"
+
+
+def test_a_commit_over_a_link_replaces_the_link_with_a_private_file(root: Path) -> None:
+    """The link's own mode (0777) must not become the file's, and its target is left alone."""
+    from jaxinfer.processor.wasi import Syscalls
+
+    syscalls = Syscalls(mapping(root, "acme", "out.txt"))
+    syscalls.files[3].data[:] = b"mine"
+    syscalls.files[3].dirty = True
+    os.symlink(root / "globex" / "secret.txt", root / "acme" / "out.txt")  # appears while the program runs
+    syscalls.commit()
+    written = root / "acme" / "out.txt"
+    assert not written.is_symlink() and written.read_bytes() == b"mine"
+    assert written.stat().st_mode & 0o777 == 0o600 and (root / "globex" / "secret.txt").read_bytes() == b"globex secret"
+
+
+def test_refused_reads_close_their_descriptors(root: Path) -> None:
+    (root / "acme" / "folder").mkdir()
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(FileAccessError, match="not a regular file"):
+            mapping(root, "acme", "folder").read("folder", 1 << 20)
+    assert len(os.listdir("/proc/self/fd")) == before

@@ -31,14 +31,17 @@ zarr's chunk grid and per-array metadata would only add a second object per page
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import math
 import os
 import re
+import stat
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import tensorstore as ts
@@ -46,6 +49,7 @@ import tensorstore as ts
 log = logging.getLogger(__name__)
 
 MAGIC = b"jaxinfer-kv-page/1\n"
+REST_SECONDS = 60  # how long reads are skipped after one timed out (the store is hung or overloaded)
 HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this size find it
 PAGE_KEY_NAME = re.compile("[0-9a-f]{32}")  # a prefix-cache key (16 bytes) in hex; other names are not pages
 
@@ -105,8 +109,10 @@ class PendingRead:
     `pages()` waits and checks them."""
 
     def __init__(self, store: PageStore, keys: list[bytes]):
-        self._store, self.keys = store, keys
-        self._futures = [store._kv.read(store._key(key)) for key in keys]
+        self._store = store
+        self.keys = [] if store.resting() else [key for key in keys if store._readable(key)]
+        store.stats.misses += len(keys) - len(self.keys)
+        self._futures = [store._kv.read(store._key(key)) for key in self.keys]
         self.started = time.perf_counter()
         self.deadline = self.started + store.timeout_seconds
         self.finished: float | None = None  # when `done` first found it done
@@ -166,6 +172,8 @@ class PageStore:
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0  # of the index's entries (read by the metrics thread: no iteration there)
         self._writes: dict[bytes, ts.Future] = {}  # background writes not yet known to be done, by page
+        self._folder = None if "://" in location else Path(os.path.abspath(location))  # the `file` driver's
+        self._resting_until = 0.0  # after a read times out, reads are skipped (misses) until then
         damaged = self._scan()
         if ttl_seconds > 0 or max_bytes > 0:
             self._remove_stale(damaged, time.time())
@@ -196,7 +204,7 @@ class PageStore:
         """Rebuilds the index from a listing and the headers; returns the keys of unreadable values.
 
         A value whose header is not read by the deadline stays out of the index (not damaged: slow)."""
-        keys = self.keys()
+        keys = [key for key in self.keys() if self._readable(key)]
         deadline = time.perf_counter() + self.timeout_seconds
         futures = [self._kv.read(self._key(k), byte_range=slice(0, HEADER_BYTES)) for k in keys]
         index, damaged = {}, []
@@ -231,11 +239,34 @@ class PageStore:
     def _within(future: ts.Future, deadline: float) -> object:
         return future.result(timeout=max(0.0, deadline - time.perf_counter()))
 
+    def resting(self) -> bool:
+        return time.monotonic() < self._resting_until
+
+    def _readable(self, page_key: bytes) -> bool:
+        """False for something other than a regular file at a local page's path (a FIFO would block a
+        tensorstore thread for good): it is removed and counted as damaged."""
+        if self._folder is None:
+            return True
+        path = self._folder / self._key(page_key)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                return True
+        except FileNotFoundError:
+            return True  # tensorstore reports it missing
+        log.warning("KV store: %s is not a regular file; removed", path)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        self._index_pop(page_key)
+        self.stats.corrupt += 1
+        return False
+
     def _timed_out(self, page_key: bytes, future: ts.Future, what: str) -> None:
-        """A read not done by its deadline: a miss; the page leaves the index so no request waits on it again."""
+        """A read not done by its deadline: a miss; the page leaves the index so no request waits on it
+        again, and reads rest for REST_SECONDS (misses at once) rather than each wait the deadline too."""
         future.cancel()
-        log.warning("KV store %s of %s took over %g s (engine.kv_store_timeout_seconds): treated as a miss",
-                    what, page_key.hex(), self.timeout_seconds)
+        self._resting_until = time.monotonic() + REST_SECONDS
+        log.warning("KV store %s of %s took over %g s (engine.kv_store_timeout_seconds): treated as a miss; "
+                    "reads rest for %d s", what, page_key.hex(), self.timeout_seconds, REST_SECONDS)
         self._index_pop(page_key)
         self.stats.timeouts += 1
         if what == "read":

@@ -80,9 +80,13 @@ def read_file(folder: Path, relative: str, limit: int) -> bytearray:
             descriptor = _open_below(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, parent)
     except FileNotFoundError:
         return bytearray()
+    try:
+        info = os.fstat(descriptor)
+        _require_regular(info.st_mode)  # before fdopen, which refuses a folder without closing it
+    except BaseException:
+        os.close(descriptor)
+        raise
     with os.fdopen(descriptor, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        _require_regular(info.st_mode)
         if info.st_size > limit:
             raise FileTooLarge(relative, info.st_size, limit)
         data = bytearray(handle.read(limit + 1))
@@ -95,11 +99,14 @@ def write_file(folder: Path, relative: str, data: bytes) -> None:
     """Replaces ``relative`` with ``data`` atomically (a synced temporary file renamed over it, keeping an
     existing file's mode); creates missing folders. An error leaves no temporary file behind."""
     *parents, name = Path(relative).parts
+    folder.mkdir(parents=True, exist_ok=True)  # a tenant's first file creates its folder
     with _folder(folder, tuple(parents), create=True) as parent:
         try:
-            mode = stat.S_IMODE(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+            info = os.stat(name, dir_fd=parent, follow_symlinks=False)
         except FileNotFoundError:
-            mode = NEW_FILE_MODE
+            info = None
+        # Only a regular file's mode is kept: a link's (0777) or a FIFO's must not become the file's.
+        mode = stat.S_IMODE(info.st_mode) if info is not None and stat.S_ISREG(info.st_mode) else NEW_FILE_MODE
         staged = f".staged-{secrets.token_hex(8)}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         descriptor = _open_below(staged, flags, parent, NEW_FILE_MODE)

@@ -63,7 +63,9 @@ class ChatTemplate:
         _validate(messages)
         expected = self.render_text(messages, add_generation_prompt)
         nonce = secrets.token_hex(6)
-        for padding, trim in (" ", None), ("", ""), ("", "strip"):
+        # \v pads the probe: whitespace that `trim` removes, but that no template writes itself (a
+        # template's own space next to trimmed content would pass for the padding).
+        for padding, trim in ("\v", None), ("", ""), ("", "strip"):
             segments = self._split(messages, add_generation_prompt, nonce, padding, trim)
             if "".join(s.text for s in segments) == expected:
                 return segments
@@ -73,14 +75,14 @@ class ChatTemplate:
 
     def _split(self, messages: list[dict[str, Any]], add_generation_prompt: bool, nonce: str, padding: str,
                trim: str | None) -> list[Segment]:
-        """Template and content segments from a render with placeholders. With ``padding`` " " the
-        spaces that survive around a placeholder tell whether the template trims (``trim`` None);
+        """Template and content segments from a render with placeholders. With ``padding`` "\\v" the
+        pads that survive around a placeholder tell whether the template trims (``trim`` None);
         with bare placeholders the content is taken as it is ("") or stripped ("strip")."""
         marks = [f"\ue000{nonce}:{i}\ue001" for i in range(len(messages))]
         placed = [dict(m, content=f"{padding}{mark}{padding}" if m["content"] else "")
                   for m, mark in zip(messages, marks, strict=True)]
         text = self.render_text(placed, add_generation_prompt)
-        spaces = "( ?)" if padding else "()"
+        spaces = f"({re.escape(padding)}?)" if padding else "()"
         pattern = re.compile(spaces + "\ue000" + nonce + r":(\d+)\ue001" + spaces)
         segments: list[Segment] = []
         cursor = 0
