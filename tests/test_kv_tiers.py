@@ -184,15 +184,21 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
     assert decode.pool.num_free == decode.pool.capacity
 
 
-def test_a_damaged_stored_page_is_recomputed_not_used(smollm2_llm, tmp_path):
-    store = PageStore(str(tmp_path), identity(smollm2_llm))
-    engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
-    request = smollm2_llm.request(SYSTEM + "Where is the fog horn?", GREEDY)
+def stored_prompt(llm, store: PageStore, question: str):
+    """An engine on `store` that answered `question` and pushed its prompt's pages down to the store:
+    (engine, request, its output, page size, prefix keys, the file of the third page)."""
+    engine = engine_on(llm, tiers=TieredPages(None, store))
+    request = llm.request(SYSTEM + question, GREEDY)
     reference = engine.generate([request])[0]
     evict_everything(engine)
-    page = smollm2_llm.config.page_size
-    keys = chain_keys(request.prompt_ids, page)
-    damaged = tmp_path / store.identity.digest() / keys[2].hex()
+    keys = chain_keys(request.prompt_ids, llm.config.page_size)
+    third = Path(store.location.removeprefix("file://")) / store.identity.digest() / keys[2].hex()
+    return engine, request, reference, llm.config.page_size, keys, third
+
+
+def test_a_damaged_stored_page_is_recomputed_not_used(smollm2_llm, tmp_path):
+    store = PageStore(str(tmp_path), identity(smollm2_llm))
+    engine, request, reference, page, keys, damaged = stored_prompt(smollm2_llm, store, "Where is the fog horn?")
     raw = bytearray(damaged.read_bytes())
     raw[-7] ^= 0xFF  # one flipped byte in the page's data
     damaged.write_bytes(bytes(raw))
@@ -247,15 +253,9 @@ def test_a_hand_off_with_min_tokens_ignores_stop_strings_in_the_first_token(smol
 def test_a_stored_page_that_never_arrives_is_recomputed_after_the_deadline(smollm2_llm, tmp_path):
     """A FIFO at a stored page's path blocks its read forever, as a hung network filesystem would:
     the request waits no longer than `kv_store_timeout_seconds`, then computes that page and the rest
-    itself, with the same output; a running request keeps decoding meanwhile."""
+    itself, with the same output."""
     store = PageStore(f"file://{tmp_path}/", identity(smollm2_llm), timeout_seconds=1.0)  # URL: no path checks
-    engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
-    request = smollm2_llm.request(SYSTEM + "When is high tide?", GREEDY)
-    reference = engine.generate([request])[0]
-    evict_everything(engine)
-    page = smollm2_llm.config.page_size
-    keys = chain_keys(request.prompt_ids, page)
-    fifo = tmp_path / store.identity.digest() / keys[2].hex()
+    engine, request, reference, page, keys, fifo = stored_prompt(smollm2_llm, store, "When is high tide?")
     fifo.unlink()
     os.mkfifo(fifo)
     try:

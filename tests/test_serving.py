@@ -468,7 +468,7 @@ def test_max_queued_bounds_the_requests_waiting_to_start(smollm2_llm):
                 next(stream)
             streams += [client.stream(f"Waiting {i}:", max_tokens=4) for i in range(2)]
             deadline = time.time() + 60
-            while engine.num_waiting < 2:
+            while len(engine.scheduler.waiting) < 2:
                 assert time.time() < deadline, "the two extra requests never reached the waiting list"
                 time.sleep(0.01)
             with pytest.raises(grpc.RpcError) as refused:

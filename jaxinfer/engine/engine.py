@@ -291,11 +291,6 @@ class Engine:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
-    def num_waiting(self) -> int:
-        """Requests added but not running: new ones and preempted ones."""
-        return len(self.scheduler.waiting)
-
-    @property
     def num_requests(self) -> int:
         """Requests added and not finished: running and waiting."""
         return len(self.scheduler.running) + len(self.scheduler.waiting)

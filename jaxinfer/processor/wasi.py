@@ -99,11 +99,6 @@ class FileMapping:
         """The file's bytes (empty if it does not exist yet); more than ``limit`` is a FileAccessError."""
         return self._guarded(relative, lambda: read_file(self.folder, relative, limit))
 
-    def write(self, relative: str, data: bytes) -> None:
-        """Replaces the file atomically; an OSError (a link swapped in, a full disk) is left to the caller."""
-        self._guarded(relative, lambda: None)
-        write_file(self.folder, relative, data)
-
     def _guarded(self, relative: str, action: Callable[[], T]) -> T:
         """Runs ``action`` on ``relative`` after refusing absolute paths, ``..``, control characters and an
         invalid tenant; its OS complaints (a link, a FIFO, a file where a folder should be) become one
