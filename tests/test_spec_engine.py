@@ -159,3 +159,20 @@ def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, t
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["spec_proposed"] > 0 and 0 <= stats["spec_accepted"] <= stats["spec_proposed"], stats
     assert stats["xla_compiles_after_warmup"] == 0
+
+
+def test_admission_keeps_back_only_the_proposals_a_decoding_row_can_get(truncated_draft):
+    """A row allowed one proposal (of the engine's DRAFT_TOKENS) keeps one token of the step's budget
+    from admission, not DRAFT_TOKENS: the rest goes to a waiting prompt's first chunk."""
+    engine = truncated_draft.engine
+    one = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, num_draft_tokens=1)
+    decoding = engine.add_request(truncated_draft.chat_request(CHATS[0], one))
+    engine.step()  # its prompt, whole
+    long_prompt = " ".join(f"item {i} of the spare inventory," for i in range(40))
+    waiting = engine.add_request(truncated_draft.request(long_prompt, SamplingParams(max_tokens=2)))
+    assert waiting.num_tokens > engine.cfg.max_tokens_per_step
+    engine.step()
+    assert decoding.num_generated >= 2 and waiting.num_computed == engine.cfg.max_tokens_per_step - 2
+    engine.abort(decoding.index)
+    engine.abort(waiting.index)
+    assert engine.pool.num_free == engine.pool.capacity

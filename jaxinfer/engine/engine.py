@@ -374,7 +374,7 @@ class Engine:
         started = time.perf_counter()
         finished: list[RequestOutput] = []
         self._tier_upkeep()
-        chunks = self.scheduler.schedule(self.speculator.k) if self.scheduler.has_unfinished() else []
+        chunks = self.scheduler.schedule(self.speculator.budget) if self.scheduler.has_unfinished() else []
         if not chunks:
             self._nothing_launched()
             return finished

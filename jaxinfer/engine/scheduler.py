@@ -97,9 +97,9 @@ class Scheduler:
         return errors + self.pool.accounting_errors(holders)
 
     # -- one step ----------------------------------------------------------------------------
-    def schedule(self, draft_room: int = 0) -> list[ScheduledChunk]:
-        """The chunks of the next step; `draft_room` tokens of the budget are kept for each decode
-        (speculative proposals, which `reserve` gives pages to)."""
+    def schedule(self, draft_room: Callable[[ScheduledChunk], int] | None = None) -> list[ScheduledChunk]:
+        """The chunks of the next step; `draft_room(chunk)` tokens of the budget are kept for each
+        running chunk (its speculative proposals, which `reserve` gives pages to) before admitting."""
         budget, reserved = self.cfg.max_tokens_per_step, 0
         chunks: list[ScheduledChunk] = []
         preempted: set[Sequence] = set()  # a set: `in running` would walk the list for every sequence
@@ -115,9 +115,10 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq not in preempted:
-                chunks.append(ScheduledChunk(seq, seq.num_computed, count))
+                chunk = ScheduledChunk(seq, seq.num_computed, count)
+                chunks.append(chunk)
                 budget -= count
-                reserved += draft_room if count == 1 and seq.params.num_draft_tokens != 0 else 0
+                reserved += draft_room(chunk) if draft_room else 0
         chunks += self._admit(max(0, budget - reserved))
         return chunks
 

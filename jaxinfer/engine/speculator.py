@@ -58,7 +58,7 @@ class Speculator:
         room = self.spec.target.cfg.max_tokens_per_step - sum(c.count for c in chunks)
         speculating, budgets, others = [], [], []
         for chunk in chunks:
-            budget = min(self._budget(chunk), max(room, 0))
+            budget = min(self.budget(chunk), max(room, 0))
             if budget > 0 and not self.scheduler.reserve(chunk.seq, chunk.start + 1 + budget):
                 pages = len(chunk.seq.pages) * self.scheduler.cfg.page_size
                 budget = max(0, min(budget, pages - chunk.start - 1))
@@ -70,7 +70,8 @@ class Speculator:
                 others.append(chunk)
         return Round(speculating + others, budgets)
 
-    def _budget(self, chunk: ScheduledChunk) -> int:
+    def budget(self, chunk: ScheduledChunk) -> int:
+        """The proposals a chunk may get this round, before the step's token room is shared out."""
         seq, params = chunk.seq, chunk.seq.params
         if not chunk.samples or chunk.count != 1 or chunk.start < len(seq.prompt_ids):
             return 0  # prefill chunks are not speculated on
