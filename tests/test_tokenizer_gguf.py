@@ -339,3 +339,53 @@ def test_invalid_messages_raise_request_error(tok, messages, field):
     with pytest.raises(RequestError) as info:
         tok.encode_chat(messages)
     assert str(info.value).startswith(field + ":") or str(info.value).startswith(field + " ")
+
+
+@pytest.fixture(scope="module")
+def llama3_gguf(tmp_path_factory):
+    """A GGUF holding the real Llama-3 vocabulary and merges, as llama.cpp's converter writes them
+    (pre-tokenizer "llama-bpe", added tokens as control tokens, no add_bos_token key)."""
+    import json
+
+    import gguf
+    from conftest import llama3_tokenizer_json
+
+    spec = json.loads(llama3_tokenizer_json().read_text())
+    added = {entry["id"]: entry["content"] for entry in spec["added_tokens"]}
+    tokens = {**{i: t for t, i in spec["model"]["vocab"].items()}, **added}
+    path = tmp_path_factory.mktemp("llama3_gguf") / "tokenizer.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list([tokens[i] for i in range(len(tokens))])
+    writer.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(128000)
+    writer.add_eos_token_id(128009)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+LLAMA3_TEXTS = [*CORPUS, " jeho", "lardan", "Vietnamese: việc", "Tiếng Việt rất hay", "Türkçe konuşmalardan",
+                "Příliš žluťoučký kůň", "Съешь же ещё этих мягких французских булок"]
+
+
+def test_a_llama3_gguf_encodes_like_its_tokenizer_json(llama3_gguf, llama3_tokenizer):
+    """Whole pre-tokens found in the vocabulary are taken as they are (Llama 3's ignore_merges, which
+    llama.cpp applies to the "llama-bpe" family): merges alone cannot reach " jeho" and 587 others.
+    With no add_bos_token key, a prompt starts with BOS, as in llama.cpp for this family."""
+    from conftest import llama3_tokenizer_json
+    from tokenizers import Tokenizer as Backend
+
+    from jaxinfer.tokenizer import from_gguf
+    from jaxinfer.weights.gguf_file import GGUFCheckpoint
+
+    tok = from_gguf(GGUFCheckpoint(llama3_gguf))
+    reference = Backend.from_file(str(llama3_tokenizer_json()))
+    assert tok.encode_user(" jeho") == reference.encode(" jeho", add_special_tokens=False).ids == [101503]
+    for text in LLAMA3_TEXTS:
+        assert tok.encode_user(text) == llama3_tokenizer.encode_user(text), text
+    assert tok.encode_prompt("hi") == [128000, *reference.encode("hi", add_special_tokens=False).ids]

@@ -41,7 +41,7 @@ def load(name_or_path: str | Path, chat_template: str | None = None) -> Tokenize
 
 
 def from_gguf(checkpoint: GGUFCheckpoint, chat_template: str | None = None) -> Tokenizer:
-    from jaxinfer.tokenizer.gguf_vocab import backend_from_gguf
+    from jaxinfer.tokenizer.gguf_vocab import LLAMA3_VOCAB_PRE, backend_from_gguf
 
     backend = backend_from_gguf(checkpoint)
     tokens = checkpoint.field("tokenizer.ggml.tokens")
@@ -56,7 +56,8 @@ def from_gguf(checkpoint: GGUFCheckpoint, chat_template: str | None = None) -> T
         chat_template=chat_template or checkpoint.field("tokenizer.chat_template"),
         bos_token=token("tokenizer.ggml.bos_token_id"),
         eos_tokens=[t for t in dict.fromkeys(eos) if t],
-        add_bos=bool(checkpoint.field("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(checkpoint.field("tokenizer.ggml.add_bos_token",
+                                      checkpoint.field("tokenizer.ggml.pre") in LLAMA3_VOCAB_PRE)),
     )
 
 

@@ -21,6 +21,10 @@ _QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _CONTROL, _USER_DEFINED = 3, 4
+# llama.cpp's LLAMA3 pre-tokenizer names that this module splits like Llama 3 and that look a whole
+# pre-token up in the vocabulary before merging (Llama 3's tokenizer.json says `ignore_merges`): 588
+# of its tokens are not reachable by merges. llama.cpp also adds BOS for them unless the file says.
+LLAMA3_VOCAB_PRE = ("llama3", "llama-v3", "llama-bpe")
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -50,11 +54,13 @@ def backend_from_gguf(checkpoint: GGUFCheckpoint) -> Backend:
                               f"{len(tokens)} tokens")
     if any(len(merge) != 2 for merge in merges):
         raise CheckpointError(f"{checkpoint.path}: tokenizer.ggml.merges holds an entry that is not two tokens")
+    pre = str(checkpoint.field("tokenizer.ggml.pre", "gpt2"))
     try:
-        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False))
+        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False,
+                                     ignore_merges=pre in LLAMA3_VOCAB_PRE))
     except Exception as exc:  # the tokenizers library raises a bare Exception (a merge of an unknown token)
         raise CheckpointError(f"{checkpoint.path}: tokenizer.ggml.merges: {exc}") from None
-    backend.pre_tokenizer = _pre_tokenizer(str(checkpoint.field("tokenizer.ggml.pre", "gpt2")))
+    backend.pre_tokenizer = _pre_tokenizer(pre)
     backend.decoder = decoders.ByteLevel()
     typed = list(zip(tokens, types, strict=True))
     control = [AddedToken(t, special=True, normalized=False) for t, k in typed if k == _CONTROL]
