@@ -86,14 +86,15 @@ class EngineCollector(Collector):
                                   value=m["pages_published"])
 
 
-# The final statuses of a Generate request (the `status` label of jaxinfer_requests_total).
-REQUEST_STATUSES = ("ok", "invalid", "limited", "error", "cancelled")
+# The final statuses of a Generate or Prefill call (the `status` label of jaxinfer_requests_total);
+# `unauthenticated` and `unavailable` (loading or draining) are refused before anything else.
+REQUEST_STATUSES = ("ok", "invalid", "limited", "error", "cancelled", "unauthenticated", "unavailable")
 
 
 class ServerMetrics:
     def __init__(self, read_engine: Callable[[], tuple[dict[str, float], int, int] | None]):
         self.registry = CollectorRegistry()
-        self.requests = Counter("jaxinfer_requests", "Generate requests by final status", ["status"],
+        self.requests = Counter("jaxinfer_requests", "Generate and Prefill calls by final status", ["status"],
                                 registry=self.registry)
         for status in REQUEST_STATUSES:  # every series exists from the start at 0, so rates need no first event
             self.requests.labels(status=status)

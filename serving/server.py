@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import tomllib
 from collections.abc import Callable
@@ -43,6 +44,7 @@ T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 KV_CHANNEL = pb.DESCRIPTOR.services_by_name["KVChannel"].full_name
+LOOPBACK = ("127.", "localhost:", "[::1]:")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class ServeConfig:
     tls_key: str = ""
     role: str = "both"  # both | prefill | decode (serving/disagg.py); prefill and decode need engine.kv_store
     prefill_peers: tuple[str, ...] = ()  # a decode worker's prefill workers, "host:port"
+    prefill_timeout_seconds: float = 60.0  # a decode worker waits this long for a peer, then tries the next
+    prefill_tls_ca: str = ""  # PEM root certificates: TLS to the prefill peers (set it when they use serve.tls_cert)
 
     def replace(self, **changes: Any) -> ServeConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -107,6 +111,11 @@ def check_role(config: ServeConfig, engine: EngineConfig) -> None:
                           "and engine.prefix_caching")
     if (config.role == "decode") != bool(config.prefill_peers):
         raise ConfigError("serve.prefill_peers must be set for role 'decode', and only for it")
+    timeout = config.prefill_timeout_seconds
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+        raise ConfigError(f"serve.prefill_timeout_seconds must be a positive number of seconds, got {timeout!r}")
+    if config.prefill_tls_ca and not Path(config.prefill_tls_ca).is_file():
+        raise ConfigError(f"serve.prefill_tls_ca: no such file: {config.prefill_tls_ca}")
 
 
 async def in_daemon_thread(fn: Callable[[], T]) -> T:
@@ -148,7 +157,7 @@ class InferenceServer:
         self.metrics = ServerMetrics(self._engine_snapshot)
         self.service = InferenceService(config.model, TenantBook(list(config.tenants), config.auth), self.metrics)
         prefills = config.role == "prefill"
-        self.prefill = PrefillService(self.service.admit_call, lambda: self.worker) if prefills else None
+        self.prefill = PrefillService(self.service) if prefills else None
         self.worker: EngineWorker | None = None
         self._not_serving: asyncio.Future | None = None  # health's switch to NOT_SERVING when the engine dies
         self._compiles_at_serving = 0  # XLA_COMPILES when serving began
@@ -163,7 +172,7 @@ class InferenceServer:
         if self.prefill is not None:
             self.prefill.register(self._server)
         if self.config.role == "decode":  # channels are made on the serving event loop
-            self.service.router = PrefillRouter(self.config.prefill_peers)
+            self.service.router = self._prefill_router()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
         services = (SERVICE_NAME, KV_CHANNEL) if self.prefill else (SERVICE_NAME,)
         reflection.enable_server_reflection((*services, reflection.SERVICE_NAME, "grpc.health.v1.Health"),
@@ -184,6 +193,13 @@ class InferenceServer:
         log.info("listening on %s:%d (role %s, TLS %s, authentication %s, metrics port %s)", self.config.host,
                  self.port, self.config.role, "on" if self.config.tls_cert else "off", auth, self.metrics_port)
         return self.port
+
+    def _prefill_router(self) -> PrefillRouter:
+        config = self.config
+        tls_ca = Path(config.prefill_tls_ca).read_bytes() if config.prefill_tls_ca else None
+        if tls_ca is None and config.auth and not all(peer.startswith(LOOPBACK) for peer in config.prefill_peers):
+            log.warning("serve.prefill_tls_ca is not set: API keys go to the prefill peers in plaintext")
+        return PrefillRouter(config.prefill_peers, config.prefill_timeout_seconds, tls_ca)
 
     def _engine_snapshot(self) -> tuple[dict[str, float], int, int] | None:
         if self.worker is None:

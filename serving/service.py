@@ -34,6 +34,14 @@ def chat_messages(chat: pb.Messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
+MAX_REQUEST_ID_CHARS = 256  # echoed in every streamed response and log line
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+
+
 def engine_request(llm: LLM, message: pb.GenerateRequest, request_id: str) -> Request:
     params = sampling_params(message.sampling)
     kind = message.WhichOneof("prompt")
@@ -93,59 +101,84 @@ class InferenceService(pb_grpc.InferenceServicer):
         service = pb.DESCRIPTOR.services_by_name["Inference"].full_name
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
 
-    async def admit_call(self, context: grpc.aio.ServicerContext, request: object = None) -> Tenant:
+    async def admit_call(self, context: grpc.aio.ServicerContext, request: object = None, counted: bool = False
+                         ) -> Tenant:
         """The caller's tenant, or the call ends: INVALID_ARGUMENT for an undecodable request,
-        UNAUTHENTICATED, or UNAVAILABLE while loading or draining."""
-        if isinstance(request, Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        UNAUTHENTICATED, or UNAVAILABLE while loading or draining (`counted`: in jaxinfer_requests_total)."""
+        refusal = None
         tenant = self.tenants.identify(context.invocation_metadata())
-        if tenant is None:
-            message = "authorization: a valid 'Bearer <api key>' is required"
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if self.worker is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading")
+        if isinstance(request, Undecodable):
+            refusal = "invalid", grpc.StatusCode.INVALID_ARGUMENT, request.error
+        elif tenant is None:
+            refusal = ("unauthenticated", grpc.StatusCode.UNAUTHENTICATED,
+                       "authorization: a valid 'Bearer <api key>' is required")
+        elif self.draining:
+            refusal = "unavailable", grpc.StatusCode.UNAVAILABLE, "the server is shutting down"
+        elif self.worker is None:
+            refusal = "unavailable", grpc.StatusCode.UNAVAILABLE, "the model is still loading"
+        if refusal is not None:
+            status, code, message = refusal
+            if counted:
+                self.count(status)
+            await context.abort(code, message)
         return tenant
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
-        tenant = await self.admit_call(context, request)
+        tenant = await self.admit_call(context, request, counted=True)
         self.active += 1  # counted from admission, so a drain waits for requests still being tokenized
         try:
-            async with contextlib.aclosing(self._admitted(request, tenant, context)) as responses:
-                async for response in responses:
-                    yield response
+            await self.admit_tenant(tenant, context)  # max_concurrent: before the prompt costs any work
+            try:
+                async with contextlib.aclosing(self._admitted(request, tenant, context)) as responses:
+                    async for response in responses:
+                        yield response
+            finally:
+                self.tenants.release(tenant)
         finally:
             self.active -= 1
+
+    async def admit_tenant(self, tenant: Tenant, context: grpc.aio.ServicerContext) -> None:
+        """Counts a call against the tenant's max_concurrent, or ends it with RESOURCE_EXHAUSTED."""
+        try:
+            self.tenants.admit(tenant)
+        except LimitExceeded as exc:
+            self.count("limited")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+
+    async def charge_tenant(self, tenant: Tenant, tokens: int, context: grpc.aio.ServicerContext) -> None:
+        """Adds an admitted call's tokens to the tenant's max_queued_tokens, or ends it (RESOURCE_EXHAUSTED)."""
+        try:
+            self.tenants.charge(tenant, tokens)
+        except LimitExceeded as exc:
+            self.count("limited")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
 
     async def _admitted(self, request: pb.GenerateRequest, tenant: Tenant, context: grpc.aio.ServicerContext):
         request_id = request.request_id or uuid.uuid4().hex
         started = time.perf_counter()
         try:
+            check_request_id(request_id)
             engine_req = await asyncio.to_thread(engine_request, self.llm, request, request_id)
         except (RequestError, ValueError) as exc:
-            self._count("invalid")
+            self.count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         engine_req = dataclasses.replace(engine_req, cache_salt=tenant.cache_salt, tenant=tenant.name,
                                          adapter=request.adapter)
         cost = len(engine_req.prompt_ids) + engine_req.params.max_tokens
+        await self.charge_tenant(tenant, cost, context)
         try:
-            self.tenants.admit(tenant, cost)
-        except LimitExceeded as exc:
-            self._count("limited")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        try:  # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
             if self.router is not None and not self.llm.engine.adapter_name(engine_req):  # peers: base model only
                 engine_req, done = await self._prefill_on_peer(engine_req, context)
                 if done is not None:
-                    self._count("ok", done.final)
+                    self.count("ok", done.final)
                     yield self._response(engine_req.request_id, engine_req, done)
                     return
+            # aclosing: a cancelled call cancels the engine request now, not when garbage-collected
             async with contextlib.aclosing(self._stream(engine_req, tenant, context, started)) as responses:
                 async for response in responses:
                     yield response
         finally:
-            self.tenants.release(tenant, cost)
+            self.tenants.refund(tenant, cost)
 
     async def _stream(self, engine_req: Request, tenant: Tenant, context: grpc.aio.ServicerContext, started: float):
         loop = asyncio.get_running_loop()
@@ -158,13 +191,13 @@ class InferenceService(pb_grpc.InferenceServicer):
         try:
             stream = self.worker.submit(engine_req, deliver)
         except WorkerDead as exc:
-            self._count("error")
+            self.count("error")
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except QueueFull as exc:
-            self._count("limited")
+            self.count("limited")
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except JaxinferError as exc:
-            self._count("invalid")
+            self.count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         status, final, last = "cancelled", None, None
         try:
@@ -182,17 +215,18 @@ class InferenceService(pb_grpc.InferenceServicer):
         finally:
             if final is None:
                 self.worker.cancel(stream)  # client cancel, deadline or disconnect: free the pages
-            self._count(status, final)
-            self._log(engine_req.request_id, tenant.name, status, final, time.perf_counter() - started)
+            self.count(status, final)
+            self.log_request(engine_req.request_id, tenant.name, status, final, time.perf_counter() - started)
 
     async def _prefill_on_peer(self, engine_req: Request, context: grpc.aio.ServicerContext
                                ) -> tuple[Request, Delta | None]:
         """Has a prefill peer compute the prompt; returns the request to decode here, or the final delta
         when the request ended on the peer. A peer's error ends the call with the peer's status."""
         try:
-            passed = await self.router.prefill(engine_req, context.invocation_metadata(), context.time_remaining())
+            passed = await self.router.prefill(engine_req, context.invocation_metadata(), context.time_remaining(),
+                                               self.worker.engine.kv_identity)
         except grpc.aio.AioRpcError as exc:
-            self._count("error")
+            self.count("error")
             await context.abort(exc.code(), f"prefill worker: {exc.details()}")
         if passed is None:
             return engine_req, None
@@ -212,7 +246,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.metrics.generation_tokens.inc(len(delta.token_ids))
         return now
 
-    def _count(self, status: str, final: RequestOutput | None = None) -> None:
+    def count(self, status: str, final: RequestOutput | None = None) -> None:
         if self.metrics is not None:
             self.metrics.requests.labels(status=status).inc()
             if final is not None:
@@ -231,7 +265,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         return response
 
     @staticmethod
-    def _log(request_id: str, tenant: str, status: str, final: RequestOutput | None, seconds: float) -> None:
+    def log_request(request_id: str, tenant: str, status: str, final: RequestOutput | None, seconds: float) -> None:
         usage = final.usage if final is not None else None
         log.info(json.dumps({
             "request_id": request_id, "tenant": tenant, "status": status, "latency_s": round(seconds, 4),
@@ -242,12 +276,15 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         await self.admit_call(context, request)
         report = GuardReport()
-        try:
+        tokenizer = self.llm.tokenizer
+
+        def encode() -> list[int]:
             if request.WhichOneof("input") == "chat":
-                chat = chat_messages(request.chat)
-                ids = self.llm.tokenizer.encode_chat(chat, report=report)
-            else:
-                ids = self.llm.tokenizer.encode_prompt(request.text, report)
+                return tokenizer.encode_chat(chat_messages(request.chat), report=report)
+            return tokenizer.encode_prompt(request.text, report)
+
+        try:  # off the event loop: a long text would hold every other call
+            ids = await asyncio.to_thread(encode)
         except (RequestError, ValueError) as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.TokenizeResponse(token_ids=ids, forged_tokens=report.downgraded)
@@ -259,7 +296,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         if bad is not None:
             message = f"token_ids: {bad} is outside the vocabulary [0, {vocab})"
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-        text = self.llm.tokenizer.decode(list(request.token_ids), skip_special_tokens=request.skip_special_tokens)
+        text = await asyncio.to_thread(self.llm.tokenizer.decode, list(request.token_ids),
+                                       skip_special_tokens=request.skip_special_tokens)
         return pb.DetokenizeResponse(text=text)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext):

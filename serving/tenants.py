@@ -71,21 +71,30 @@ class TenantBook:
                 found = tenant
         return found
 
-    def admit(self, tenant: Tenant, tokens: int) -> None:
-        """Counts a request in, or raises LimitExceeded naming the limit."""
+    def admit(self, tenant: Tenant) -> None:
+        """Counts a call in (before its prompt is tokenized), or raises LimitExceeded (max_concurrent)."""
         with self._lock:
             running = self._concurrent.get(tenant.name, 0)
-            queued = self._queued_tokens.get(tenant.name, 0)
             if tenant.max_concurrent and running >= tenant.max_concurrent:
                 raise LimitExceeded(f"tenant {tenant.name}: {running} concurrent requests, the limit "
                                     f"(max_concurrent) is {tenant.max_concurrent}")
+            self._concurrent[tenant.name] = running + 1
+
+    def charge(self, tenant: Tenant, tokens: int) -> None:
+        """Adds an admitted call's tokens (prompt and max_tokens), or raises LimitExceeded (max_queued_tokens)."""
+        with self._lock:
+            queued = self._queued_tokens.get(tenant.name, 0)
             if tenant.max_queued_tokens and queued + tokens > tenant.max_queued_tokens:
                 raise LimitExceeded(f"tenant {tenant.name}: {queued} tokens queued plus {tokens} exceeds the limit "
                                     f"(max_queued_tokens) of {tenant.max_queued_tokens}")
-            self._concurrent[tenant.name] = running + 1
             self._queued_tokens[tenant.name] = queued + tokens
 
-    def release(self, tenant: Tenant, tokens: int) -> None:
+    def refund(self, tenant: Tenant, tokens: int) -> None:
+        """Takes back what `charge` added (the call has ended)."""
+        with self._lock:
+            self._queued_tokens[tenant.name] -= tokens
+
+    def release(self, tenant: Tenant) -> None:
+        """Counts out a call that `admit` counted in."""
         with self._lock:
             self._concurrent[tenant.name] -= 1
-            self._queued_tokens[tenant.name] -= tokens

@@ -118,6 +118,10 @@ def test_roles_are_checked_at_start(tmp_path):
         ('role = "decode"', 'kv_store = "kv"', "serve.prefill_peers"),
         ('role = "prefill"\nprefill_peers = ["127.0.0.1:1"]', 'kv_store = "kv"', "serve.prefill_peers"),
         ('role = "router"', "", "serve.role"),
+        ('role = "decode"\nprefill_peers = ["127.0.0.1:1"]\nprefill_timeout_seconds = 0', 'kv_store = "kv"',
+         "serve.prefill_timeout_seconds must be a positive number"),
+        ('role = "decode"\nprefill_peers = ["127.0.0.1:1"]\nprefill_tls_ca = "/nowhere/ca.pem"', 'kv_store = "kv"',
+         "serve.prefill_tls_ca: no such file"),
     ]:
         config.write_text(f"[serve]\n{serve}\n[engine]\n{engine}\n")
         with pytest.raises(ConfigError, match=re.escape(wrong)):

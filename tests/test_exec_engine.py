@@ -202,7 +202,7 @@ def test_batch_runner_exec_flag_and_per_line_field(tmp_path) -> None:
 
 
 def test_grpc_exec_field_streams_the_result(exec_llm: LLM) -> None:
-    from test_serving import RunningServer
+    from servers import RunningServer
 
     from serving.client import InferenceClient
 

@@ -171,7 +171,7 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
     page = smollm2_llm.config.page_size
     assert first.token_ids == single.token_ids[:1]
     assert first.stored_pages == len(request.prompt_ids) // page == store.num_pages
-    passed = handoff(request, first)
+    passed = handoff(request, first, prefill.max_model_len)
     assert passed.finish_reason is None
     with smollm2_llm.runner.pool.hold(keep_free=0):  # drops the prefill engine's device pages
         pass
@@ -245,7 +245,7 @@ def test_a_hand_off_with_min_tokens_ignores_stop_strings_in_the_first_token(smol
     expected = single.generate([request])[0]
     store = PageStore(str(tmp_path), identity(smollm2_llm))
     engine = engine_on(smollm2_llm, tiers=TieredPages(None, store))
-    passed = handoff(request, engine.generate([prefill_request(request)])[0])
+    passed = handoff(request, engine.generate([prefill_request(request)])[0], engine.max_model_len)
     assert passed.finish_reason is None  # the first token cannot stop a request with min_tokens 3
     assert engine.generate([decode_request(passed)])[0].token_ids == expected.token_ids
 

@@ -189,7 +189,7 @@ def test_bad_adapters_are_refused_with_the_reason(lora_llm, adapters, tmp_path):
 def test_adapters_over_grpc(lora_llm, adapters):
     """LoadAdapter / UnloadAdapter (admin tenants only) / ListAdapters, and Generate naming an adapter."""
     import grpc
-    from test_serving import RunningServer
+    from servers import RunningServer
 
     from serving.client import InferenceClient
     from serving.proto.jaxinfer.v1 import inference_pb2 as pb

@@ -15,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from servers import RunningServer, self_signed
 
 from jaxinfer import SamplingParams
 from serving import stubs
@@ -22,33 +23,16 @@ from serving.client import AsyncInferenceClient, InferenceClient
 from serving.metrics import REQUEST_STATUSES
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
-from serving.server import SERVICE_NAME, InferenceServer, ServeConfig
+from serving.server import SERVICE_NAME
 from serving.tenants import Tenant
 
 pytestmark = pytest.mark.slow
 
 
-class RunningServer:
-    """A real server on a free loopback port, its asyncio loop in a background thread."""
-
-    def __init__(self, llm, **settings):
-        self.loop = asyncio.new_event_loop()
-        self.server = InferenceServer(ServeConfig(port=0, metrics_port=0, **settings), llm=llm)
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        self.port = self.call(self.server.start())
-        self.target = f"127.0.0.1:{self.port}"
-
-    def call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=120)
-
-    def close(self):
-        self.call(self.server.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def health_status(target: str, service: str = "") -> int:
+def health_status(target: str, service: str = "", timeout: float | None = None) -> int:
     with grpc.insecure_channel(target) as channel:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service)).status
+        request = health_pb2.HealthCheckRequest(service=service)
+        return health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout).status
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +92,9 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(text="word " * 9000), "prompt"),
         (dict(text="hi", sampling=pb.SamplingParams(max_tokens=10**9)), "max_tokens"),
         (dict(chat=pb.Messages()), "chat.messages"),
+        (dict(text="hi", sampling=pb.SamplingParams(stop=["x"] * 17)), "stop: at most 16 strings, got 17"),
+        (dict(text="hi", sampling=pb.SamplingParams(stop=["ok", "x" * 257])), "stop[1]: at most 256 characters"),
+        (dict(text="hi", request_id="r" * 257), "request_id: at most 256 characters"),
         (dict(), "prompt"),
     ],
 )
@@ -166,6 +153,38 @@ def test_tokenize_detokenize_and_list_models(smollm2_llm, client):
     (model,) = client.stub.ListModels(pb.ListModelsRequest()).models
     assert model.name == "smollm2-135m" and model.context_length == smollm2_llm.max_model_len
     assert model.vocab_size == smollm2_llm.model_config.vocab_size and model.dtype == "float32"
+
+
+def test_a_long_tokenize_call_leaves_the_other_calls_running(smollm2_llm, server, client, monkeypatch):
+    """Tokenizing runs off the event loop: while one Tokenize call is held inside the tokenizer (as a
+    text of megabytes holds it for seconds), health checks and other calls are answered."""
+    inside, release = threading.Event(), threading.Event()
+    encode = smollm2_llm.tokenizer.encode_prompt
+
+    def held(text, report=None):
+        if text == "held":
+            inside.set()
+            release.wait(60)
+        return encode(text, report)
+
+    monkeypatch.setattr(smollm2_llm.tokenizer, "encode_prompt", held)
+    with ThreadPoolExecutor(1) as pool:
+        tokenizing = pool.submit(client.stub.Tokenize, pb.TokenizeRequest(text="held"), timeout=120)
+        try:
+            assert inside.wait(30)
+            assert health_status(server.target, timeout=10) == health_pb2.HealthCheckResponse.SERVING
+            assert list(client.stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=10).token_ids) == encode("hi")
+            assert not tokenizing.done()
+        finally:
+            release.set()
+        assert list(tokenizing.result().token_ids) == encode("held")
+
+
+def test_an_adapter_source_the_os_refuses_is_invalid_argument(client):
+    with pytest.raises(grpc.RpcError) as error:
+        client.stub.LoadAdapter(pb.LoadAdapterRequest(name="x", source="a" * 300), timeout=60)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "adapter source 'aaa" in error.value.details() and "too long" in error.value.details()
 
 
 def test_reflection_lists_the_service(server):
@@ -276,16 +295,22 @@ def test_api_keys_and_tenant_limits(secured):
         stub = InferenceClient(secured.target, timeout=120).stub
         return stub.Generate(request, metadata=metadata, timeout=120)
 
+    refused = 'jaxinfer_requests_total{status="unauthenticated"}'
+    before = sample_value(scrape(secured.server.metrics_port), refused)
     for key in (None, "wrong", "key-acm"):
         with pytest.raises(grpc.RpcError) as error:
             list(call(key, max_tokens=2))
         assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert sample_value(scrape(secured.server.metrics_port), refused) == before + 3
     assert list(call("key-acme", max_tokens=2, temperature=0.0))[-1].usage.completion_tokens == 2
 
     first = call("key-acme", "Write a long story.", max_tokens=64, temperature=0.0, ignore_eos=True)
     next(first)  # acme now has one request in flight: its limit
     with pytest.raises(grpc.RpcError) as error:
         list(call("key-acme", max_tokens=2))
+    assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in error.value.details()
+    with pytest.raises(grpc.RpcError) as error:  # counted before its prompt is even tokenized
+        list(call("key-acme", "", max_tokens=2))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_concurrent" in error.value.details()
     first.cancel()
 
@@ -317,33 +342,6 @@ def test_async_client_streams_the_same_text(server, client):
     text, completion = asyncio.run(run())
     sync_text, sync_last = client.generate("Name a fruit.", max_tokens=6, temperature=0.0)
     assert (text, completion) == (sync_text, sync_last.usage.completion_tokens)
-
-
-def self_signed(tmp_path) -> tuple[str, str, bytes]:
-    """A throwaway certificate for 127.0.0.1 and its key, written as PEM files."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "jaxinfer-test")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                           critical=False)
-            .sign(key, hashes.SHA256()))
-    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-    key_path, cert_path = tmp_path / "key.pem", tmp_path / "cert.pem"
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    cert_path.write_bytes(cert_pem)
-    return str(cert_path), str(key_path), cert_pem
 
 
 def test_tls_serves_secure_channels_only(smollm2_llm, server, tmp_path):

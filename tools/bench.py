@@ -353,7 +353,7 @@ def bench_disagg(args: argparse.Namespace, llm=None) -> None:
             one_first, one_total, reference = first_and_last(single, llm.request(prompt, params))
             request = llm.request(prompt, dataclasses.replace(params, seed=i))
             started = time.perf_counter()
-            passed = handoff(request, workers.generate([prefill_request(request)])[0])
+            passed = handoff(request, workers.generate([prefill_request(request)])[0], workers.max_model_len)
             prefill_s = time.perf_counter() - started
             with workers.pool.hold(keep_free=0):
                 workers.pool.take_evicted()  # the decode worker's pool starts empty, nothing demoted

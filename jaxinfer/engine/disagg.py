@@ -39,6 +39,7 @@ class Handoff:
     stored_pages: int
     finish_reason: str | None
     text: str  # the output text so far (the whole output when finished)
+    cached_tokens: int = 0  # prompt tokens the prefill worker found cached
 
 
 def with_seed(request: Request, rng: random.Random | None = None) -> Request:
@@ -61,11 +62,15 @@ def prefill_request(request: Request) -> Request:
     return dataclasses.replace(request, params=params, publish_kv=True)
 
 
-def handoff(request: Request, output: RequestOutput) -> Handoff:
-    """The hand-off of a prefilled `request` (seed fixed) from the prefill worker's output."""
-    done = output.finish_reason != "length" or request.params.max_tokens <= len(output.token_ids)
-    return Handoff(request, list(output.token_ids), list(output.logprobs or [0.0] * len(output.token_ids)),
-                   output.stored_pages, output.finish_reason if done else None, output.text)
+def handoff(request: Request, output: RequestOutput, max_model_len: int) -> Handoff:
+    """The hand-off of a prefilled `request` (seed fixed) from the prefill worker's output. It is
+    finished unless it ended only at `prefill_request`'s one-token limit: at its own max_tokens, or
+    at the context's end (`max_model_len` of the prefill worker's engine), it is done here."""
+    generated = len(output.token_ids)
+    done = (output.finish_reason != "length" or request.params.max_tokens <= generated
+            or len(request.prompt_ids) + generated >= max_model_len)
+    return Handoff(request, list(output.token_ids), list(output.logprobs or [0.0] * generated),
+                   output.stored_pages, output.finish_reason if done else None, output.text, output.usage.cached_tokens)
 
 
 def decode_request(handoff: Handoff) -> Request:

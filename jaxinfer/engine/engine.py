@@ -268,6 +268,11 @@ class Engine:
                 chunk.seq.inflight -= 1
                 chunk.seq.num_computed = min(chunk.seq.num_computed, chunk.seq.num_tokens - 1)
 
+    @property
+    def kv_identity(self) -> str:
+        """The digest of what a KV store page must match here (checkpoint and KV layout); "" without a store."""
+        return self._publisher.store.identity.digest() if self._publisher is not None else ""
+
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: running, waiting, preemptions, free pages, prefix hits, per-step times."""
         s = self.scheduler

@@ -10,6 +10,7 @@ from jaxinfer.errors import RequestError
 MAX_SEED = 2**32 - 1
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 8  # with the model's EOS ids, they must fit the sampler's banned-id slots
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread at every token
 
 
 @dataclass(frozen=True)
@@ -71,9 +72,13 @@ class SamplingParams:
             raise RequestError(f"exec_trace: must be none, summary or full, got {self.exec_trace!r}")
         if not isinstance(self.exec_session, str) or len(self.exec_session) > 256:
             raise RequestError("exec_session: a string of at most 256 characters")
+        if len(self.stop) > MAX_STOPS:
+            raise RequestError(f"stop: at most {MAX_STOPS} strings, got {len(self.stop)}")
         for i, s in enumerate(self.stop):
             if not isinstance(s, str) or not s:
                 raise RequestError(f"stop[{i}]: must be a non-empty string")
+            if len(s) > MAX_STOP_CHARS:
+                raise RequestError(f"stop[{i}]: at most {MAX_STOP_CHARS} characters, got {len(s)}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for i, t in enumerate(self.stop_token_ids):

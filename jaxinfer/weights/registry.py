@@ -97,10 +97,19 @@ def resolve_adapter(name_or_path: str | os.PathLike) -> Path:
         path = _entry_path(text, entries[text])
     else:
         path = Path(text).expanduser()
-        if not path.exists():
+        if not _exists(path, text):
             adapters = sorted(name for name, entry in entries.items() if entry.get("kind") == "adapter")
-            raise CheckpointError(f"unknown adapter {text!r}: not a registry name and not an existing path; "
+            raise CheckpointError(f"unknown adapter {text!r:.300}: not a registry name and not an existing path; "
                                   f"registry adapters: {', '.join(adapters) or '(none)'}")
     if not (path / "adapter_config.json").is_file():
         raise CheckpointError(f"{path}: not an adapter folder (no adapter_config.json)")
     return path
+
+
+def _exists(path: Path, text: str) -> bool:
+    """Whether a path a caller named exists; a name the OS refuses (too long, a NUL) is a CheckpointError."""
+    try:
+        return path.exists()
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CheckpointError(f"adapter source {text!r:.80}: {reason}") from None
