@@ -114,17 +114,21 @@ def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(tmp_
 
 def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None,
                config: dict = CONFIG, token_types: list[int] | None = None, merges: list[str] = (),
-               num_tokens: int | None = None) -> Path:
-    writer = gguf.GGUFWriter(str(path), "llama")
+               num_tokens: int | None = None, byte_order: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Path:
+    writer = gguf.GGUFWriter(str(path), "llama", endianess=byte_order)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
+    if "llama.attention.head_count_kv" not in (metadata or {}):
+        writer.add_head_count_kv(config["num_key_value_heads"])
     writer.add_context_length(64)
     writer.add_layer_norm_rms_eps(1e-5)
     for key, value in (metadata or {}).items():
-        writer.add_uint32(key, value) if isinstance(value, int) else writer.add_string(key, value)
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        else:
+            writer.add_uint32(key, value) if isinstance(value, int) else writer.add_string(key, value)
     tokens = [f"t{i}" for i in range(num_tokens or config["vocab_size"])]
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -156,10 +160,36 @@ def test_a_gguf_with_more_blocks_than_its_block_count_is_refused(tmp_path, mesh)
     ({}, {"rope_freqs.weight": np.ones(7, np.float32)}, r"rope_freqs\.weight has 7 values, expected 2"),
     ({}, {"blk.0.ffn_gate_exps.weight": np.ones((4, 4), np.float32)},
      r"tensor blk\.0\.ffn_gate_exps\.weight is not part of a model this engine runs"),
-], ids=["rope_scaling", "rope_freqs_length", "unknown_tensor"])
+    ({}, {"rope_freqs.weight": np.ones(2, np.float64)}, r"cannot dequantize tensor rope_freqs\.weight"),
+    ({"llama.attention.head_count_kv": [2, 1]}, None, r"llama\.attention\.head_count_kv differs between layers"),
+], ids=["rope_scaling", "rope_freqs_length", "unknown_tensor", "rope_freqs_type", "per_layer_kv_heads"])
 def test_gguf_settings_the_engine_cannot_honour_are_refused(tmp_path, mesh, metadata, extra, message):
     with pytest.raises(CheckpointError, match=message):
         load_model(write_gguf(tmp_path / "model.gguf", metadata, extra), mesh, jnp.float32)
+
+
+def test_a_per_layer_kv_head_count_that_is_the_same_everywhere_loads(tmp_path, mesh):
+    path = write_gguf(tmp_path / "model.gguf", {"llama.attention.head_count_kv": [2, 2]})
+    assert load_model(path, mesh, jnp.float32).config.num_kv_heads == 2
+
+
+def test_a_big_endian_gguf_is_refused_not_read_as_garbage(tmp_path, mesh):
+    path = write_gguf(tmp_path / "model.gguf", byte_order=gguf.GGUFEndian.BIG)
+    with pytest.raises(CheckpointError, match="other byte order"):
+        load_model(path, mesh, jnp.float32)
+
+
+def test_loaded_gguf_weights_do_not_change_when_the_file_is_rewritten(tmp_path, mesh):
+    """F32 tensors are not left as views of the memory-mapped file: rewriting it in place (as `cp` over
+    it would) changes nothing in a loaded model."""
+    path = write_gguf(tmp_path / "model.gguf")
+    loaded = parameters(load_model(path, mesh, jnp.float32).model)["model.norm.weight"]
+    before = np.asarray(loaded.get_value()).copy()
+    tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "output_norm.weight")
+    with open(path, "r+b") as file:
+        file.seek(tensor.data_offset)
+        file.write(np.full(tensor.n_elements, 7.0, np.float32).tobytes())
+    assert np.array_equal(np.asarray(loaded.get_value()), before)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -81,6 +81,8 @@ class GGUFCheckpoint:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as exc:  # the reader raises many types on a damaged file
             raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({exc})") from None
+        if self.reader.byte_order != "I":  # "S": swapped; dequantize would read the bytes as native
+            raise CheckpointError(f"{path}: a GGUF file of the other byte order (big-endian) is not supported")
         size = path.stat().st_size
         for tensor in self.reader.tensors:
             if tensor.data_offset + tensor.n_bytes > size:
@@ -111,9 +113,10 @@ class GGUFCheckpoint:
                 raise CheckpointError(f"{self.path}: GGUF metadata lacks {arch}.{key}")
             return value
 
-        num_heads = int(meta("attention.head_count"))
+        num_heads = self._per_model(f"{arch}.attention.head_count", meta("attention.head_count"))
+        num_kv_heads = self._per_model(f"{arch}.attention.head_count_kv", meta("attention.head_count_kv", num_heads))
         hidden = int(meta("embedding_length"))
-        if num_heads <= 0 or int(meta("attention.head_count_kv", num_heads)) <= 0:
+        if num_heads <= 0 or num_kv_heads <= 0:
             raise CheckpointError(f"{self.path}: GGUF metadata {arch}.attention.head_count and head_count_kv must "
                                   "be positive")
         scaling = str(self.field(f"{arch}.rope.scaling.type", "none"))
@@ -135,7 +138,7 @@ class GGUFCheckpoint:
                 intermediate_size=int(meta("feed_forward_length")),
                 num_layers=int(meta("block_count")),
                 num_heads=num_heads,
-                num_kv_heads=int(meta("attention.head_count_kv", num_heads)),
+                num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
                 rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-6)),
                 rope_theta=float(meta("rope.freq_base", 10000.0)),
@@ -150,11 +153,31 @@ class GGUFCheckpoint:
         except ConfigError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
 
+    def _per_model(self, key: str, value: Any) -> int:
+        """A head count: llama.cpp allows one per layer; this engine runs one for every layer."""
+        if isinstance(value, list):
+            if not value or len(set(value)) != 1:
+                raise CheckpointError(f"{self.path}: GGUF metadata {key} differs between layers ({value[:8]}); "
+                                      "this engine runs one count for every layer")
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int | np.integer):
+            raise CheckpointError(f"{self.path}: GGUF metadata {key} must be a whole number, got {value!r:.40}")
+        return int(value)
+
     def _rope_freq_factors(self) -> tuple[float, ...] | None:
         for tensor in self.reader.tensors:
             if tensor.name == "rope_freqs.weight":
-                return tuple(float(x) for x in gguf.quants.dequantize(tensor.data, tensor.tensor_type))
+                return tuple(float(x) for x in self._dequantized(tensor))
         return None
+
+    def _dequantized(self, tensor: gguf.ReaderTensor) -> np.ndarray:
+        """The tensor as floats, in memory of its own: a view of the memory-mapped file (an F32 tensor)
+        would change, or fault, if the file were rewritten or truncated while the weights are in use."""
+        try:
+            array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except (ValueError, NotImplementedError) as exc:
+            raise CheckpointError(f"{self.path}: cannot dequantize tensor {tensor.name} ({exc})") from None
+        return array.copy() if np.shares_memory(array, self.reader.data) else array
 
     def iter_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, str, np.ndarray]]:
         for tensor in self.reader.tensors:
@@ -164,10 +187,7 @@ class GGUFCheckpoint:
                     raise CheckpointError(f"{self.path}: tensor {tensor.name} is not part of a model this engine "
                                           "runs (an unsupported variant of the architecture)")
                 continue
-            try:
-                array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-            except (ValueError, NotImplementedError) as exc:
-                raise CheckpointError(f"{self.path}: cannot dequantize tensor {tensor.name} ({exc})") from None
+            array = self._dequantized(tensor)
             permuted = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
             if cfg.architecture == "llama" and tensor.name.endswith(permuted):
                 heads = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
