@@ -210,3 +210,16 @@ def test_top_k_keeps_every_token_tied_at_its_threshold():
     assert set(draw(2000, top_k=2, logits=logits).tolist()) == {0, 1, 2, 3}
     signed_zeros = np.array([2.0, 0.0, -0.0, -1.0], np.float32)  # -0.0 == 0.0: a tie, as transformers sees it
     assert set(draw(2000, top_k=2, logits=signed_zeros).tolist()) == {0, 1, 2}
+
+
+def test_a_tiny_temperature_samples_as_sharply_as_asked():
+    """Two logits one float32 ulp apart: at T = 1e-7 the softmax of logits / T is (0.233, 0.767), at
+    T = 1e-8 it is (0, 1); no floor on T makes them both sample like a larger one."""
+    near_tie = np.array([1.0, 1.0 + 2.0**-23], np.float32)
+    for temperature, expected in ((1e-7, 0.7671), (1e-8, 1.0)):
+        share = draw(20000, temperature=temperature, logits=near_tie).mean()
+        assert abs(share - expected) < 0.015, (temperature, share)
+        params = SamplingInputs(*(jnp.asarray([value]) for value in (
+            np.float32(temperature), np.int32(0), np.float32(1.0), np.float32(0.0), np.uint32(0), np.int32(0))),
+            banned=jnp.asarray([banned_row(())], jnp.int32))
+        assert abs(float(distribution(jnp.asarray([near_tie]), params)[0, 1]) - expected) < 1e-3

@@ -67,8 +67,14 @@ def _sample_rows(logits: jax.Array, params: SamplingInputs, greedy: jax.Array) -
 
 
 def _scaled(logits: jax.Array, temperature: jax.Array) -> jax.Array:
-    """[S, V] logits over each row's temperature (greedy rows' values are never used)."""
-    return logits / jnp.maximum(temperature, 1e-6)[:, None]
+    """[S, V] logits over each row's temperature (greedy rows' values are never used).
+
+    The row's maximum is subtracted first: the values are then <= 0, so any temperature, however
+    small, divides them without overflow (at worst to -inf), and a tiny temperature samples as
+    sharply as asked instead of being raised to a floor."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)  # a row with every id banned stays -inf, not NaN
+    return (logits - top) / jnp.where(temperature > 0.0, temperature, 1.0)[:, None]
 
 
 def _filtering_rows(params: SamplingInputs, vocab: int) -> jax.Array:
