@@ -174,14 +174,13 @@ def to_request(llm, job: Job) -> Request | None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from jaxinfer.llm import LLM, check_group_settings
+    from jaxinfer.llm import LLM
 
     defaults = default_params(args)
     SamplingParams(**defaults)  # a bad command-line value fails before the model loads
     group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
     config = load_engine_config(args.config, **_engine_overrides(args))  # read once: the file may change meanwhile
-    check_group_settings(config, group)
-    channel = connect(group)
+    channel = connect(group)  # the settings are checked by LLM, with every process joined
     if isinstance(channel, Follower):  # replays the leader's steps; reads and writes nothing
         try:
             llm = LLM(args.model, config, process_group=group, lockstep=channel)

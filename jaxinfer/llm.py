@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -74,9 +75,10 @@ def check_multi_process(cfg: EngineConfig) -> None:
 
 
 def check_group_settings(cfg: EngineConfig, group: ProcessGroup) -> Mesh:
-    """The ('data', 'model') mesh, after refusing what the group or the replicas cannot run. Every
-    process checks before it joins the control channel, so each reports the real error, not a lost
-    peer. With mesh_data > 1 each data row is one replica of the model."""
+    """The ('data', 'model') mesh, after refusing what the group or the replicas cannot run. In a
+    group, `LLM` checks once every process has joined the control channel: a follower's refusal
+    reaches the leader, and a leader's stops the followers. With mesh_data > 1 each data row is one
+    replica of the model."""
     if group.distributed:
         check_multi_process(cfg)
     mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
@@ -89,6 +91,27 @@ def check_group_settings(cfg: EngineConfig, group: ProcessGroup) -> Mesh:
     if cfg.mesh_data > 1:
         _refuse_one_engine_settings(cfg, "engine.mesh_data > 1 (replicas)")
     return mesh
+
+
+# Settings a host may set for itself: where its own files are. Every other engine setting shapes the
+# step or its inputs, so the group's processes must agree on it.
+HOST_SETTINGS = ("compilation_cache_dir", "exec_files_root")
+
+
+def group_settings(cfg: EngineConfig) -> dict[str, Any]:
+    """The engine settings every process of a group must share (adapters by name: paths are per host)."""
+    settings = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in HOST_SETTINGS}
+    settings["adapters"] = [entry.split("=", 1)[0] for entry in cfg.adapters]
+    return json.loads(json.dumps(settings))  # as the control channel carries them (tuples become lists)
+
+
+def check_same_settings(leader: dict[str, Any], own: dict[str, Any], process_id: int) -> None:
+    """Raises ConfigError naming the first engine setting in which this process differs from the leader."""
+    for name in sorted(set(leader) | set(own)):
+        if leader.get(name) != own.get(name):
+            raise ConfigError(f"engine.{name}: the leader (process 0) runs {leader.get(name)!r}, process "
+                              f"{process_id} {own.get(name)!r}; every process of a group needs the same engine "
+                              "settings")
 
 
 class LLM:
@@ -104,37 +127,42 @@ class LLM:
         cfg = config if isinstance(config, EngineConfig) else load_engine_config(config)
         self.config = cfg = cfg.replace(**overrides) if overrides else cfg
         self.group = initialize(process_group or ProcessGroup())
-        self.mesh = check_group_settings(cfg, self.group)
-        # Joined before loading, so a process lost (or failing) while loading stops the whole group.
+        # Joined before anything is checked or loaded, so a process that refuses (or fails, or is lost)
+        # stops the whole group in order, each process reporting the real reason.
         channel = lockstep if lockstep is not None else connect(self.group)
         self.leader = channel if isinstance(channel, Leader) else None
         self.follower = channel if isinstance(channel, Follower) else None
         try:
-            self._join_load(model, cfg)
+            self.mesh = self._join_load(model, cfg)
             self._load(model, cfg)
         except BaseException:
             self.close()
             raise
 
-    def _join_load(self, model: str | Path, cfg: EngineConfig) -> None:
-        """In a group, loads together: the leader says what it loads, and each follower checks that its
-        own copy of the checkpoints has the same content (each process reads its own files)."""
-        if self.leader is None and self.follower is None:
-            return
-        if self.leader is not None:
-            refusals = self.leader.begin_load(load_fingerprints(model, cfg.draft_model))
-            if refusals:
-                raise CheckpointError("; ".join(f"follower process {process_id} refused to load: {reason}"
-                                                for process_id, reason in sorted(refusals.items())))
-            return
-        leader_checkpoints = self.follower.await_load()  # raises LeaderStopped when the leader gives up first
+    def _join_load(self, model: str | Path, cfg: EngineConfig) -> Mesh:
+        """The mesh, once the settings are checked. In a group, loads together: the leader says what it
+        loads and with which settings, and each follower checks that it runs the same settings and that
+        its own copy of the checkpoints has the same content (each process reads its own files)."""
+        if self.follower is None:
+            mesh = check_group_settings(cfg, self.group)  # a leader that refuses stops its followers (close)
+            if self.leader is not None:
+                refusals = self.leader.begin_load(load_fingerprints(model, cfg.draft_model), group_settings(cfg))
+                if refusals:
+                    raise CheckpointError("; ".join(f"follower process {process_id} refused to load: {reason}"
+                                                    for process_id, reason in sorted(refusals.items())))
+            return mesh
+        # raises LeaderStopped when the leader gives up first
+        leader_checkpoints, leader_settings = self.follower.await_load()
         try:  # a refusal, even for missing files, goes to the leader, which stops the group in order
+            check_same_settings(leader_settings, group_settings(cfg), self.group.process_id)
+            mesh = check_group_settings(cfg, self.group)
             check_same_as_leader(leader_checkpoints, load_fingerprints(model, cfg.draft_model),
                                  self.group.process_id)
         except Exception as error:
             self.follower.answer_load(str(error) if isinstance(error, JaxinferError) else repr(error))
             raise
         self.follower.answer_load()  # returns when every follower is ready; LeaderStopped otherwise
+        return mesh
 
     def _load(self, model: str | Path, cfg: EngineConfig) -> None:
         enable_compilation_cache(cfg.compilation_cache_dir)

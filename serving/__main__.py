@@ -40,7 +40,8 @@ async def serve(args: argparse.Namespace) -> bool:
     logging.getLogger(__name__).info("settings %s", json.dumps(
         {"serve": dataclasses.asdict(config), "engine": dataclasses.asdict(engine_config)}))
     group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
-    check_group_settings(engine_config, group)
+    if not group.distributed:  # before the port is bound; a group checks in LLM, with every process joined
+        check_group_settings(engine_config, group)
     channel = await asyncio.to_thread(connect, group)
     if isinstance(channel, Follower):
         for sig in (signal.SIGTERM, signal.SIGINT):  # a follower ends when its leader says so (or is lost)

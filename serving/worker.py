@@ -23,6 +23,7 @@ from typing import Any
 
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput
+from jaxinfer.engine.replicas import ReplicaStepFailed
 from jaxinfer.engine.sequence import Sequence
 from jaxinfer.errors import JaxinferError
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
@@ -70,7 +71,7 @@ class EngineWorker:
         self.engine = engine
         self.on_dead = on_dead
         self.max_queued = max_queued
-        self._capacity = engine.cfg.max_seqs  # requests that run at once; more wait
+        self._capacity = engine.max_running  # requests that run at once (over every replica); more wait
         self._adds: queue.Queue[_Stream] = queue.Queue(maxsize=max_queued + self._capacity)
         self._aborts: queue.SimpleQueue[_Stream] = queue.SimpleQueue()  # unbounded: cancel never blocks
         self._calls: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future]] = queue.SimpleQueue()
@@ -164,6 +165,10 @@ class EngineWorker:
     def _step(self) -> None:
         try:
             self._publish(self.engine.step())
+        except ReplicaStepFailed as exc:  # only the failed replicas' streams end; the others go on
+            log.error("engine step failed on some replicas: %s", exc, exc_info=exc)
+            self._fail_all(f"engine step failed: {exc}", only=exc.failed_request)
+            self._publish(exc.finished)
         except Exception as exc:  # the step (or handing out its tokens) failed: end every stream, not hang them
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {exc}")
@@ -255,8 +260,11 @@ class EngineWorker:
             text = full[common:]  # the rest from where they diverged: a client sees the difference
         return Delta(text, tokens, logprobs if stream.request.params.logprobs else [], final=final)
 
-    def _fail_all(self, message: str) -> None:
-        streams, self._streams = list(self._streams.items()), {}
+    def _fail_all(self, message: str, only: Callable[[int], bool] | None = None) -> None:
+        """Ends every stream (`only`: those whose request index it accepts) with `message`."""
+        streams = [(index, stream) for index, stream in self._streams.items() if only is None or only(index)]
+        for index, _ in streams:
+            del self._streams[index]
         for index, stream in streams:
             try:
                 stream.deliver(Delta("", [], [], error=message))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxinfer.parallel.lockstep import FOLLOWER_LOST_EXIT, LEADER_LOST_EXIT
+from jaxinfer.parallel.lockstep import FOLLOWER_LOST_EXIT, LEADER_LOST_EXIT, REPLAY_FAILED_EXIT
 
 REPO = Path(__file__).resolve().parents[1]
 # 2, not 4: on 2 cores the group's batch run took 86.6 s with 4 devices a process and 42.8 s with 2
@@ -84,7 +85,9 @@ class Group:
     """`python -m jaxinfer.batch` started as processes 0..n-1 of one group; stderr goes to files."""
 
     def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run",
-                 own_args: dict[int, tuple[str, ...]] | None = None):
+                 own_args: dict[int, tuple[str, ...]] | None = None, own_code: dict[int, str] | None = None):
+        """`own_args`: extra arguments of one process; `own_code`: Python run instead of `-m jaxinfer.batch`
+        (with the same arguments), to inject a fault into one process."""
         self.port = free_port()
         self.logs = [workdir / f"{name}-{i}.log" for i in range(processes)]
         self.output = workdir / f"{name}.jsonl"
@@ -94,8 +97,9 @@ class Group:
         for i, log_path in enumerate(self.logs):
             with open(log_path, "w") as log_file:
                 own = ("--process-id", str(i), *(own_args or {}).get(i, ()))
+                launch = ["-c", own_code[i]] if i in (own_code or {}) else ["-m", "jaxinfer.batch"]
                 self.procs.append(subprocess.Popen(
-                    [sys.executable, "-m", "jaxinfer.batch", *args, *own], cwd=REPO,
+                    [sys.executable, *launch, *args, *own], cwd=REPO,
                     env=cpu_env(DEVICES_PER_PROCESS), stdout=subprocess.DEVNULL, stderr=log_file))
 
     def log(self, i: int) -> str:
@@ -276,6 +280,54 @@ def test_a_follower_with_other_weights_stops_the_group_before_loading(workdir, g
     assert "error: follower process 2 refused to load: model: process 2 reads" in group.log(0)
     assert group.wait(1, timeout=120) == 0, group.log(1)[-3000:]
     assert "process 1: replayed 0 steps" in group.log(1) and "loaded smollm2" not in group.log(1)
+    assert not group.output.exists()
+
+
+def test_a_follower_with_other_engine_settings_stops_the_group_before_loading(workdir, groups):
+    """Hosts that disagree on a setting that shapes the step (here the KV pool) would run and return
+    garbage: the follower compares the leader's settings with its own and refuses, naming the setting;
+    a host's own paths (its copy of an adapter) may differ."""
+    other = workdir / "engine-other.toml"
+    preloaded = workdir / "lora-copy"
+    shutil.copytree(workdir / "lora-preloaded", preloaded, dirs_exist_ok=True)
+    other.write_text(ENGINE_TOML.replace("num_pages = 256", "num_pages = 8")
+                     + ADAPTER_LINES.format(preloaded=preloaded))
+    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="other-settings",
+                  own_args={1: ("--config", str(other))})
+    groups.append(group)
+    assert group.wait(1) == 2, group.log(1)[-3000:]
+    assert ("engine.num_pages: the leader (process 0) runs 256, process 1 8; every process of a group needs "
+            "the same engine settings") in group.log(1)
+    assert group.wait(0, timeout=120) == 2, group.log(0)[-3000:]
+    assert "error: follower process 1 refused to load: engine.num_pages" in group.log(0)
+    assert not group.output.exists()
+
+
+FAILING_REPLAY = """
+import runpy
+from jaxinfer.engine.step import ModelRunner
+replay, replayed = ModelRunner.replay, []
+def failing(self, *args):
+    replayed.append(1)
+    if len(replayed) == 3:
+        raise RuntimeError("injected: the device lost its memory")
+    return replay(self, *args)
+ModelRunner.replay = failing
+runpy.run_module("jaxinfer.batch", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_a_follower_that_fails_to_replay_a_step_stops_the_group_at_once(workdir, groups):
+    """The follower's third step raises (an injected device fault): it exits 6 at once, closing its
+    connection, and the leader exits 3; neither waits out the step's collective or JAX's exit barrier
+    (minutes)."""
+    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="replay-fails", own_code={1: FAILING_REPLAY})
+    groups.append(group)
+    assert group.wait(1, timeout=240) == REPLAY_FAILED_EXIT, group.log(1)[-3000:]
+    assert "error: follower 1: replaying the leader's step" in group.log(1)
+    assert "injected: the device lost its memory" in group.log(1)
+    assert group.wait(0, timeout=60) == FOLLOWER_LOST_EXIT, group.log(0)[-3000:]
+    assert "error: follower process 1 left the group" in group.log(0)
     assert not group.output.exists()
 
 

@@ -69,6 +69,38 @@ while server_engine.has_unfinished():
     server_engine.step()
 report["free_restored"] = [e.pool.num_free for e in server_engine.engines] == free
 
+# Served over gRPC: both replicas take streams; a step that fails on one replica ends only its streams.
+import sys
+sys.path.insert(0, "tests")
+import grpc
+from servers import RunningServer
+from serving.client import InferenceClient
+running = RunningServer(two)
+running.call(running.server.load())
+served = running.server.worker.engine
+with InferenceClient(running.target, timeout=300) as client:
+    texts = [client.generate(q, max_tokens=6, temperature=0.0)[0] for q in questions[:2]]
+    report["served"] = texts == [o.text for o in one.generate(list(questions[:2]), SamplingParams(max_tokens=6,
+                                                                                              temperature=0.0))]
+    step, calls = served.engines[1].step, []
+    def flaky():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("replica 1 lost its device")
+        return step()
+    served.engines[1].step = flaky
+    streams = [client.stream(q, max_tokens=12, temperature=0.0, ignore_eos=True) for q in questions[2:4]]
+    ends = []
+    for stream in streams:
+        try:
+            ends.append(sum(len(d.token_ids) for d in stream))
+        except grpc.RpcError as error:
+            ends.append(f"{error.code().name}: {error.details()}")
+    report["fault"] = ends
+    report["after_fault"] = client.generate("Say hello.", max_tokens=4, temperature=0.0)[1].usage.completion_tokens
+running.close()
+report["served_free"] = [e.pool.num_free for e in served.engines] == free
+
 try:
     LLM("smollm2-135m", mesh_data=2, mesh_model=1, kv_store="/tmp/never", **engine)
 except ConfigError as error:
@@ -94,5 +126,8 @@ def test_two_replicas_answer_like_one_and_route_by_prefix():
     assert report["cached_question_replica"] == 1, report  # index 1 of the first batch ran there
     assert report["session_stable"] and report["sessions_spread"] == [0, 1], report
     assert report["aborted"] == [1, "abort", 1] and report["free_restored"], report
+    assert report["served"] and report["after_fault"] == 4 and report["served_free"], report
+    ok, failed = sorted(report["fault"], key=lambda end: isinstance(end, str))
+    assert ok == 12 and failed.startswith("INTERNAL: engine step failed: replica 1: RuntimeError"), report
     assert report["refused"] == ("engine.kv_store is not supported with engine.mesh_data > 1 (replicas) "
                                  "(set engine.kv_store off)"), report

@@ -296,6 +296,11 @@ class Engine:
         return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
+    def max_running(self) -> int:
+        """Requests that run at once (more wait)."""
+        return self.cfg.max_seqs
+
+    @property
     def num_requests(self) -> int:
         """Requests added and not finished: running and waiting."""
         return len(self.scheduler.running) + len(self.scheduler.waiting)

@@ -23,6 +23,19 @@ from jaxinfer.engine.sequence import Sequence
 from jaxinfer.kv.prefix_cache import chain_keys
 
 
+class ReplicaStepFailed(Exception):
+    """Some replicas' steps raised: `finished` holds what the others finished in the step, and only
+    the failed replicas' requests (`failed_request`) are lost."""
+
+    def __init__(self, finished: list[RequestOutput], errors: dict[int, Exception], num_replicas: int):
+        reasons = "; ".join(f"replica {replica}: {error!r}" for replica, error in sorted(errors.items()))
+        super().__init__(reasons)
+        self.finished, self.errors, self.num_replicas = finished, errors, num_replicas
+
+    def failed_request(self, index: int) -> bool:
+        return index % self.num_replicas in self.errors
+
+
 class ReplicaSet:
     """Engines built with `first_index=r, index_stride=len(engines)`: a request's index names its replica."""
 
@@ -83,8 +96,29 @@ class ReplicaSet:
     def has_unfinished(self) -> bool:
         return any(engine.has_unfinished() for engine in self.engines)
 
+    @property
+    def num_requests(self) -> int:
+        """Requests added and not finished, over every replica."""
+        return sum(engine.num_requests for engine in self.engines)
+
+    @property
+    def max_running(self) -> int:
+        """Requests that run at once: every replica's `max_seqs`."""
+        return sum(engine.max_running for engine in self.engines)
+
     def step(self) -> list[RequestOutput]:
-        return [out for engine in self.engines if engine.has_unfinished() for out in engine.step()]
+        """Steps every replica; one that fails spares the others (see `ReplicaStepFailed`)."""
+        finished: list[RequestOutput] = []
+        failed: dict[int, Exception] = {}
+        for replica, engine in enumerate(self.engines):
+            try:
+                if engine.has_unfinished():
+                    finished += engine.step()
+            except Exception as exc:
+                failed[replica] = exc
+        if failed:
+            raise ReplicaStepFailed(finished, failed, len(self.engines))
+        return finished
 
     def abort(self, index: int) -> RequestOutput | None:
         return self._owner(index).abort(index)

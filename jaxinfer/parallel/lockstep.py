@@ -49,6 +49,7 @@ ENV_CONTROL_PORT = "JAXINFER_CONTROL_PORT"
 FOLLOWER_LOST_EXIT = 3  # the leader's exit status when a follower goes away
 LEADER_LOST_EXIT = 4  # a follower's exit status when the leader goes away without `stop`
 DIVERGED_EXIT = 5  # the leader's exit status when it failed to run a step it had sent
+REPLAY_FAILED_EXIT = 6  # a follower's exit status when it failed to replay what the leader sent
 HELLO_LIMIT = 4096  # bytes of a follower's hello: anything larger is not one
 ANSWER_LIMIT = 1 << 16  # bytes of a follower's answer to `load` (a refusal's reason, JSON-escaped)
 REASON_CHARS = 4000  # a refusal's reason is cut to this; JSON escapes a character to at most 12 bytes
@@ -240,14 +241,15 @@ class Leader:
                         self.on_follower_lost(f"follower process {process_id} is unreachable ({error}); "
                                               "the leader stops")
 
-    def begin_load(self, checkpoints: dict[str, Any]) -> dict[int, str]:
+    def begin_load(self, checkpoints: dict[str, Any], settings: dict[str, Any]) -> dict[int, str]:
         """Lets the followers load the model (loading can run collectives, so all load together);
-        `checkpoints`: what the leader loads, for each follower to check it reads the same.
+        `checkpoints`: what the leader loads, and `settings` its engine settings, for each follower to
+        check it reads the same and runs the same.
 
         Two phases, so no follower starts loading (which runs collectives) unless all will: every
         follower answers, then the leader sends `go` when all are ready. Returns each refusing
         follower's reason (empty: all load); on refusals the caller stops the group (`stop`)."""
-        self._send(encode({"op": "load", "checkpoints": checkpoints}, {}))
+        self._send(encode({"op": "load", "checkpoints": checkpoints, "settings": settings}, {}))
         deadline = time.monotonic() + self.answer_timeout
         refusals = {}
         for process_id, answers in self._answers.items():
@@ -312,11 +314,11 @@ class Follower:
         """Leaves the group (a follower that failed): the leader sees end-of-file and stops."""
         self.sock.close()
 
-    def await_load(self) -> dict[str, Any]:
-        """Waits until the leader loads the model and returns what it loads (`begin_load`'s
-        `checkpoints`); raises LeaderStopped if it stops first."""
+    def await_load(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Waits until the leader loads the model and returns what it loads and its settings
+        (`begin_load`'s `checkpoints` and `settings`); raises LeaderStopped if it stops first."""
         header, _ = self._expect("load")
-        return header["checkpoints"]
+        return header["checkpoints"], header["settings"]
 
     def answer_load(self, refusal: str = "") -> None:
         """Tells the leader this follower loads (`refusal` empty) or why it does not.
@@ -371,14 +373,26 @@ class Follower:
                 self.sock.close()
                 return replayed
             if header["op"] == "call":
-                call(header["method"], header["fields"], arrays)
+                self._replaying(f"call {header['method']}", call, header["method"], header["fields"], arrays)
                 continue
             number, previous = header["number"], header["previous"]
             if previous >= 0 and previous not in results:
                 raise LeaderLost(f"step {number} reads step {previous}, which this follower no longer keeps")
-            results[number] = dispatch(unpack_step(header, arrays), results.get(previous))
+            results[number] = self._replaying(f"step {number}", dispatch, unpack_step(header, arrays),
+                                              results.get(previous))
             results.pop(number - KEPT_RESULTS, None)
             replayed += 1
+
+    def _replaying(self, what: str, replay: Callable[..., Any], *args: Any) -> Any:
+        """`replay(*args)`; if it fails, the process ends at once, closing its control connection so the
+        leader stops the group now (not in a collective's timeout, then JAX's exit-time barrier)."""
+        try:
+            return replay(*args)
+        except Exception as error:
+            log.critical("follower %d could not replay %s", self.group.process_id, what, exc_info=error)
+            self.sock.close()
+            _exit_now(f"follower {self.group.process_id}: replaying the leader's {what} failed ({error!r}); "
+                      "the group stops", REPLAY_FAILED_EXIT)
 
 
 def connect(group: ProcessGroup) -> Leader | Follower | None:
