@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxinfer.engine.params import SamplingParams
+from jaxinfer.errors import RequestError
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 
 DEFAULT_MAX_TOKENS = 128
@@ -33,3 +34,11 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
                              logprobs=params.logprobs, exec=params.exec,
                              exec_files=list(params.exec_files), exec_session=params.exec_session,
                              exec_trace=params.exec_trace)
+
+
+MAX_REQUEST_ID_CHARS = 256  # echoed in every streamed response and log line
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")

@@ -27,7 +27,7 @@ from jaxinfer.engine.disagg import Handoff, handoff, prefill_request, with_seed
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, Usage
 from jaxinfer.errors import JaxinferError
-from serving.convert import FINISH_REASONS, REASON_OF, sampling_params, sampling_proto
+from serving.convert import FINISH_REASONS, REASON_OF, check_request_id, sampling_params, sampling_proto
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.tenants import Tenant
 from serving.wire import Undecodable, lenient
@@ -93,8 +93,8 @@ class PrefillService:
         except (JaxinferError, ValueError) as exc:
             service.count("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except IdentityMismatch as exc:
-            service.count("invalid")
+        except IdentityMismatch as exc:  # the servers' configuration, not the request
+            service.count("error")
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         cost = len(engine_req.prompt_ids) + 1  # the prompt and the first id: all a prefill worker computes
         status, delta = "error", None
@@ -126,6 +126,7 @@ class PrefillService:
     @staticmethod
     def _engine_request(request: pb.PrefillRequest, tenant: Tenant, engine: Engine) -> Request:
         own = engine.kv_identity
+        check_request_id(request.request_id)
         if request.kv_identity and request.kv_identity != own:
             raise IdentityMismatch(
                 f"kv_identity: the caller's KV store identity {request.kv_identity} is not this prefill worker's "
@@ -153,9 +154,9 @@ class IdentityMismatch(Exception):
 class PrefillRouter:
     """The decode front's side of the channel: sends a request to a prefill peer, returns the hand-off.
 
-    A peer that fails, refuses for its own reasons (busy, draining, another model), or does not answer
-    within `timeout_seconds`, is passed over for the next; when none answers, the front prefills the
-    request itself. Only INVALID_ARGUMENT, the request's own fault, ends the call.
+    A peer that fails, refuses (busy, draining, another model or settings: the front has checked the
+    request itself first), or does not answer within `timeout_seconds`, is passed over for the next;
+    when none answers, the front prefills the request itself.
     """
 
     def __init__(self, peers: tuple[str, ...], timeout_seconds: float = 60.0, tls_ca: bytes | None = None):
@@ -188,8 +189,6 @@ class PrefillRouter:
             try:
                 reply = await call(message, metadata=forwarded, timeout=left)
             except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise
                 log.warning("prefill peer %s: %s: %s", self.peers[peer], exc.code().name, exc.details())
                 continue
             self.remote += 1

@@ -14,12 +14,12 @@ import grpc
 import numpy as np
 
 from jaxinfer.engine.adapters import AdapterInfo, read_adapter_source
-from jaxinfer.engine.disagg import decode_request
+from jaxinfer.engine.disagg import decode_request, settled
 from jaxinfer.engine.params import Request, RequestOutput
 from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
-from serving.convert import FINISH_REASONS, sampling_params
+from serving.convert import FINISH_REASONS, check_request_id, sampling_params
 from serving.disagg import PrefillRouter, finished_output
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
@@ -32,14 +32,6 @@ log = logging.getLogger("jaxinfer.requests")
 
 def chat_messages(chat: pb.Messages) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.content} for m in chat.messages]
-
-
-MAX_REQUEST_ID_CHARS = 256  # echoed in every streamed response and log line
-
-
-def check_request_id(request_id: str) -> None:
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
 
 
 def engine_request(llm: LLM, message: pb.GenerateRequest, request_id: str) -> Request:
@@ -221,15 +213,18 @@ class InferenceService(pb_grpc.InferenceServicer):
     async def _prefill_on_peer(self, engine_req: Request, context: grpc.aio.ServicerContext
                                ) -> tuple[Request, Delta | None]:
         """Has a prefill peer compute the prompt; returns the request to decode here, or the final delta
-        when the request ended on the peer. A peer's error ends the call with the peer's status."""
+        when the request ended on the peer. The request is checked here first, so a peer that refuses
+        it differs from this worker (a misconfiguration) and is passed over like a failed one."""
         try:
-            passed = await self.router.prefill(engine_req, context.invocation_metadata(), context.time_remaining(),
-                                               self.worker.engine.kv_identity)
-        except grpc.aio.AioRpcError as exc:
-            self.count("error")
-            await context.abort(exc.code(), f"prefill worker: {exc.details()}")
+            self.worker.engine.validate(engine_req)
+        except JaxinferError as exc:
+            self.count("invalid")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        passed = await self.router.prefill(engine_req, context.invocation_metadata(), context.time_remaining(),
+                                           self.worker.engine.kv_identity)
         if passed is None:
             return engine_req, None
+        passed = settled(passed, self.llm.max_model_len)
         if passed.finish_reason is not None:
             out = finished_output(passed)
             return passed.request, Delta(out.text, out.token_ids, out.logprobs or [], final=out)

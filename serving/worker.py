@@ -168,7 +168,11 @@ class EngineWorker:
         except ReplicaStepFailed as exc:  # only the failed replicas' streams end; the others go on
             log.error("engine step failed on some replicas: %s", exc, exc_info=exc)
             self._fail_all(f"engine step failed: {exc}", only=exc.failed_request)
-            self._publish(exc.finished)
+            try:
+                self._publish(exc.finished)
+            except Exception as error:  # as below: end every stream, keep the thread
+                log.exception("handing out a step's outputs failed")
+                self._fail_all(f"engine step failed: {error}")
         except Exception as exc:  # the step (or handing out its tokens) failed: end every stream, not hang them
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {exc}")

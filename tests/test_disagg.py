@@ -5,6 +5,7 @@ KV layout, or behind TLS (and then prefills the request itself)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,7 +16,7 @@ from conftest import TEST_ENGINE
 from servers import RunningServer, self_signed
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.disagg import with_seed
+from jaxinfer.engine.disagg import Handoff, settled, with_seed
 from jaxinfer.engine.params import Request
 from serving.convert import sampling_proto
 from serving.disagg import PrefillRouter, finished_output
@@ -89,6 +90,26 @@ def test_a_prompt_that_reaches_the_context_end_ends_on_the_prefill_worker(kv_llm
     assert remote == 1 and passed.finish_reason == "length" and len(passed.generated_ids) == 1
     shorter, _, _ = route(prefill.target, Request(prompt[:-1], params))
     assert shorter.finish_reason is None  # one more id fits: the decode worker goes on
+
+
+def test_the_front_settles_a_hand_off_against_its_own_context_length():
+    """A peer with another max_model_len: the front ends what reaches its own context's end and goes
+    on with what the peer ended only at the peer's (max_tokens not reached)."""
+    request = Request(list(range(1, 100)), SamplingParams(max_tokens=10, seed=1))
+    from_peer = Handoff(request, [5], [0.0], 12, None, "x")
+    assert settled(from_peer, 100).finish_reason == "length"  # 99 + 1 ids fill this context
+    assert settled(from_peer, 101).finish_reason is None
+    ended_there = dataclasses.replace(from_peer, finish_reason="length")  # the peer's context was 100
+    assert settled(ended_there, 4096).finish_reason is None
+    stopped = dataclasses.replace(from_peer, finish_reason="stop")
+    assert settled(stopped, 4096) is stopped
+
+
+def test_a_peer_that_refuses_what_the_front_accepts_is_passed_over(kv_llm, prefill):
+    """A prompt past the peer's max_model_len (a peer configured differently from the front) is its
+    INVALID_ARGUMENT, not the request's: the front prefills it itself."""
+    prompt = kv_llm.request(TEXT * 3, SamplingParams()).prompt_ids[: MAX_MODEL_LEN + 4]
+    assert route(prefill.target, Request(prompt, SamplingParams(max_tokens=4))) == (None, 0, 1)
 
 
 def test_a_finished_hand_off_reports_the_prompt_tokens_found_cached(kv_llm, prefill):

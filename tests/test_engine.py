@@ -180,6 +180,8 @@ def test_logprobs_are_returned_on_request(smollm2_llm):
         ("Hi \ud800", SamplingParams(), r"prompt: an unpaired surrogate '\\ud800' at character 3"),
         (["Hi", "there \udfff"], SamplingParams(), r"prompt\[1\]: an unpaired surrogate"),
         ("hi", SamplingParams(max_tokens=10**6), "max_tokens"),
+        ([1] * 4100, SamplingParams(max_tokens=1), r"prompt: 4100 tokens and one generated need 513 KV pages of 8 "
+                                                   r"tokens, the pool has 511"),
         ("hi", SamplingParams(stop_token_ids=[10**9]), r"stop_token_ids\[0\]: 1000000000 is outside the vocabulary"),
     ],
 )

@@ -67,10 +67,23 @@ def handoff(request: Request, output: RequestOutput, max_model_len: int) -> Hand
     finished unless it ended only at `prefill_request`'s one-token limit: at its own max_tokens, or
     at the context's end (`max_model_len` of the prefill worker's engine), it is done here."""
     generated = len(output.token_ids)
-    done = (output.finish_reason != "length" or request.params.max_tokens <= generated
-            or len(request.prompt_ids) + generated >= max_model_len)
+    done = output.finish_reason != "length" or at_limit(request, generated, max_model_len)
     return Handoff(request, list(output.token_ids), list(output.logprobs or [0.0] * generated),
                    output.stored_pages, output.finish_reason if done else None, output.text, output.usage.cached_tokens)
+
+
+def at_limit(request: Request, generated: int, max_model_len: int) -> bool:
+    """Whether a request with `generated` ids has reached its max_tokens or the context's end."""
+    return request.params.max_tokens <= generated or len(request.prompt_ids) + generated >= max_model_len
+
+
+def settled(handoff: Handoff, max_model_len: int) -> Handoff:
+    """The hand-off as the decode worker must take it: a peer with another max_model_len may end at
+    its context's end a request this worker continues, or pass on one that is done here."""
+    if handoff.finish_reason not in (None, "length"):
+        return handoff
+    done = at_limit(handoff.request, len(handoff.generated_ids), max_model_len)
+    return dataclasses.replace(handoff, finish_reason="length" if done else None)
 
 
 def decode_request(handoff: Handoff) -> Request:

@@ -220,6 +220,11 @@ class Engine:
         _check_token_ids("prompt_token_ids", prompt_ids, vocab)
         _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
         # Every request must fit the pool alone, so preemption always leaves one that can finish.
+        prompt_pages = math.ceil((len(prompt_ids) + 1) / self.cfg.page_size)
+        if prompt_pages > self.pool.capacity:
+            raise RequestError(
+                f"prompt: {len(prompt_ids)} tokens and one generated need {prompt_pages} KV pages of "
+                f"{self.cfg.page_size} tokens, the pool has {self.pool.capacity}")
         longest = min(len(prompt_ids) + params.max_tokens, self.max_model_len)
         pages_needed = math.ceil(longest / self.cfg.page_size)
         if pages_needed > self.pool.capacity:
