@@ -173,6 +173,8 @@ class EngineWorker:
             except Exception as error:  # as below: end every stream, keep the thread
                 log.exception("handing out a step's outputs failed")
                 self._fail_all(f"engine step failed: {error}")
+            if exc.all_failed:  # nothing is left to serve: the thread stops, health says NOT_SERVING
+                raise RuntimeError(f"every replica has failed ({exc})") from exc
         except Exception as exc:  # the step (or handing out its tokens) failed: end every stream, not hang them
             log.exception("engine step failed")
             self._fail_all(f"engine step failed: {exc}")

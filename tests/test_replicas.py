@@ -98,6 +98,24 @@ with InferenceClient(running.target, timeout=300) as client:
             ends.append(f"{error.code().name}: {error.details()}")
     report["fault"] = ends
     report["after_fault"] = client.generate("Say hello.", max_tokens=4, temperature=0.0)[1].usage.completion_tokens
+    report["failed_replicas"] = sorted(served.failed)  # out of routing: the request above ran on replica 0
+    def broken():
+        raise RuntimeError("replica 0 lost its device")
+    served.engines[0].step = broken
+    try:
+        client.generate("Name a fruit.", max_tokens=4)
+    except grpc.RpcError as error:
+        report["last_replica_fault"] = error.code().name
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    with grpc.insecure_channel(running.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for _ in range(100):
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=10).status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            import time
+            time.sleep(0.1)
+        report["health_after_all_failed"] = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 running.close()
 report["served_free"] = [e.pool.num_free for e in served.engines] == free
 
@@ -127,6 +145,8 @@ def test_two_replicas_answer_like_one_and_route_by_prefix():
     assert report["session_stable"] and report["sessions_spread"] == [0, 1], report
     assert report["aborted"] == [1, "abort", 1] and report["free_restored"], report
     assert report["served"] and report["after_fault"] == 4 and report["served_free"], report
+    assert report["failed_replicas"] == [1] and report["last_replica_fault"] == "INTERNAL", report
+    assert report["health_after_all_failed"] == "NOT_SERVING", report
     ok, failed = sorted(report["fault"], key=lambda end: isinstance(end, str))
     assert ok == 12 and failed.startswith("INTERNAL: engine step failed: replica 1: RuntimeError"), report
     assert report["refused"] == ("engine.kv_store is not supported with engine.mesh_data > 1 (replicas) "

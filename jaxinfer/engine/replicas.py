@@ -25,12 +25,14 @@ from jaxinfer.kv.prefix_cache import chain_keys
 
 class ReplicaStepFailed(Exception):
     """Some replicas' steps raised: `finished` holds what the others finished in the step, and only
-    the failed replicas' requests (`failed_request`) are lost."""
+    the failed replicas' requests (`failed_request`) are lost. `all_failed`: no replica is left."""
 
-    def __init__(self, finished: list[RequestOutput], errors: dict[int, Exception], num_replicas: int):
+    def __init__(self, finished: list[RequestOutput], errors: dict[int, Exception], num_replicas: int,
+                 reason: str = ""):
         reasons = "; ".join(f"replica {replica}: {error!r}" for replica, error in sorted(errors.items()))
-        super().__init__(reasons)
+        super().__init__(reason or reasons)
         self.finished, self.errors, self.num_replicas = finished, errors, num_replicas
+        self.all_failed = bool(reason)
 
     def failed_request(self, index: int) -> bool:
         return index % self.num_replicas in self.errors
@@ -44,15 +46,20 @@ class ReplicaSet:
         self.tokenizer = engines[0].tokenizer
         self.cfg = engines[0].cfg
         self.runner = engines[0].runner  # the first replica's (for what every replica has alike)
+        self.failed: set[int] = set()  # replicas whose step raised: taken out of routing for good
 
     # -- routing ----------------------------------------------------------------------------------
     def route(self, request: Request) -> Engine:
+        """The replica for a new request, among those that have not failed (ReplicaStepFailed)."""
+        healthy = [engine for replica, engine in enumerate(self.engines) if replica not in self.failed]
+        if not healthy:
+            raise ReplicaStepFailed([], {}, len(self.engines), "every replica has failed")
         session = request.params.exec_session if request.params.exec else ""
         if session:
             digest = hashlib.sha256(f"{tenant_of(request)}\x00{session}".encode()).digest()
-            return self.engines[int.from_bytes(digest[:4], "big") % len(self.engines)]
+            return healthy[int.from_bytes(digest[:4], "big") % len(healthy)]
         keys = self._prompt_keys(request)
-        return max(self.engines, key=lambda engine: (self._held_pages(engine, keys), -self._load(engine)))
+        return max(healthy, key=lambda engine: (self._held_pages(engine, keys), -self._load(engine)))
 
     def _prompt_keys(self, request: Request) -> list[bytes]:
         """The prompt's full-page prefix keys: the same on every replica (adapters are loaded on all)."""
@@ -117,7 +124,10 @@ class ReplicaSet:
             except Exception as exc:
                 failed[replica] = exc
         if failed:
-            raise ReplicaStepFailed(finished, failed, len(self.engines))
+            self.failed |= set(failed)
+            error = ReplicaStepFailed(finished, failed, len(self.engines))
+            error.all_failed = len(self.failed) == len(self.engines)
+            raise error
         return finished
 
     def abort(self, index: int) -> RequestOutput | None:
