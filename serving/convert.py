@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import grpc
+
 from jaxinfer.engine.params import SamplingParams
-from jaxinfer.errors import RequestError
+from jaxinfer.errors import JaxinferError, RequestError
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+from serving.worker import Delta, QueueFull, WorkerDead
 
 DEFAULT_MAX_TOKENS = 128
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -42,3 +45,17 @@ MAX_REQUEST_ID_CHARS = 256  # echoed in every streamed response and log line
 def check_request_id(request_id: str) -> None:
     if len(request_id) > MAX_REQUEST_ID_CHARS:
         raise RequestError(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}")
+
+
+def submit_refusal(error: JaxinferError) -> tuple[str, grpc.StatusCode]:
+    """(metrics status, gRPC status) of a request the engine thread would not take (`EngineWorker.submit`)."""
+    if isinstance(error, WorkerDead):
+        return "error", grpc.StatusCode.UNAVAILABLE
+    if isinstance(error, QueueFull):
+        return "limited", grpc.StatusCode.RESOURCE_EXHAUSTED
+    return "invalid", grpc.StatusCode.INVALID_ARGUMENT
+
+
+def delta_failure(delta: Delta) -> tuple[str, grpc.StatusCode]:
+    """(metrics status, gRPC status) of a request that ended with an error: its own, or the server's."""
+    return ("invalid", grpc.StatusCode.INVALID_ARGUMENT) if delta.invalid else ("error", grpc.StatusCode.INTERNAL)

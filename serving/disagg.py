@@ -27,11 +27,19 @@ from jaxinfer.engine.disagg import Handoff, handoff, prefill_request, with_seed
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request, RequestOutput, Usage
 from jaxinfer.errors import JaxinferError
-from serving.convert import FINISH_REASONS, REASON_OF, check_request_id, sampling_params, sampling_proto
+from serving.convert import (
+    FINISH_REASONS,
+    REASON_OF,
+    check_request_id,
+    delta_failure,
+    sampling_params,
+    sampling_proto,
+    submit_refusal,
+)
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.tenants import Tenant
 from serving.wire import Undecodable, lenient
-from serving.worker import Delta, EngineWorker, QueueFull, WorkerDead
+from serving.worker import Delta, EngineWorker
 
 if TYPE_CHECKING:
     from serving.service import InferenceService
@@ -101,15 +109,10 @@ class PrefillService:
         await service.charge_tenant(tenant, cost, context)
         try:
             delta = await run_to_end(worker, prefill_request(engine_req))
-            status = "ok" if delta.error is None else "invalid" if delta.invalid else "error"
-        except QueueFull as exc:
-            status = "limited"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except WorkerDead as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            status = "ok" if delta.error is None else delta_failure(delta)[0]
         except JaxinferError as exc:
-            status = "invalid"
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            status, code = submit_refusal(exc)
+            await context.abort(code, str(exc))
         except asyncio.CancelledError:
             status = "cancelled"
             raise
@@ -119,8 +122,7 @@ class PrefillService:
             service.count(status, final)
             service.log_request(engine_req.request_id, tenant.name, status, final, time.perf_counter() - started)
         if delta.error is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT if delta.invalid else grpc.StatusCode.INTERNAL,
-                                delta.error)
+            await context.abort(delta_failure(delta)[1], delta.error)
         return self._response(engine_req, delta.final, worker.engine.max_model_len)
 
     @staticmethod

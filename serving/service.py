@@ -19,14 +19,14 @@ from jaxinfer.engine.params import Request, RequestOutput
 from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
-from serving.convert import FINISH_REASONS, check_request_id, sampling_params
+from serving.convert import FINISH_REASONS, check_request_id, delta_failure, sampling_params, submit_refusal
 from serving.disagg import PrefillRouter, finished_output
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc  # the servicer base class
 from serving.tenants import LimitExceeded, Tenant, TenantBook
 from serving.wire import Undecodable, lenient
-from serving.worker import Delta, EngineWorker, QueueFull, WorkerDead
+from serving.worker import Delta, EngineWorker, WorkerDead
 
 log = logging.getLogger("jaxinfer.requests")
 
@@ -182,23 +182,17 @@ class InferenceService(pb_grpc.InferenceServicer):
 
         try:
             stream = self.worker.submit(engine_req, deliver)
-        except WorkerDead as exc:
-            self.count("error")
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        except QueueFull as exc:
-            self.count("limited")
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except JaxinferError as exc:
-            self.count("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            status, code = submit_refusal(exc)
+            self.count(status)
+            await context.abort(code, str(exc))
         status, final, last = "cancelled", None, None
         try:
             while True:
                 delta = await deltas.get()
                 if delta.error is not None:
-                    status = "invalid" if delta.invalid else "error"
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT if delta.invalid else grpc.StatusCode.INTERNAL,
-                                        delta.error)
+                    status, code = delta_failure(delta)
+                    await context.abort(code, delta.error)
                 last = self._observe_latency(delta, started, last)
                 yield self._response(engine_req.request_id, engine_req, delta)
                 if delta.final is not None:

@@ -56,12 +56,16 @@ def route(target: str, request: Request, *, timeout: float | None = 60, identity
     return asyncio.run(go())
 
 
-def prefill_call(target: str, request: Request, kv_identity: str = "", key: str = "") -> pb.PrefillResponse:
+def prefill_call(target: str, request: Request, kv_identity: str = "", key: str = "",
+                 tls_ca: bytes | None = None) -> pb.PrefillResponse:
+    """One KVChannel.Prefill call, as a decode front makes it (`tls_ca`: over TLS)."""
     message = pb.PrefillRequest(prompt_token_ids=request.prompt_ids, sampling=sampling_proto(request.params),
                                 kv_identity=kv_identity)
     metadata = (("authorization", f"Bearer {key}"),) if key else ()
-    with grpc.insecure_channel(target) as channel:
-        return pb_grpc.KVChannelStub(channel).Prefill(message, metadata=metadata, timeout=60)
+    channel = (grpc.secure_channel(target, grpc.ssl_channel_credentials(root_certificates=tls_ca)) if tls_ca
+               else grpc.insecure_channel(target))
+    with channel:
+        return pb_grpc.KVChannelStub(channel).Prefill(message, metadata=metadata, timeout=120)
 
 
 class Wedged:
@@ -191,13 +195,9 @@ def test_prefill_calls_keep_tenant_limits_go_over_tls_and_finish_in_a_drain(kv_l
     try:
         running.call(running.server.load())
         request = with_seed(kv_llm.request(TEXT, SamplingParams(max_tokens=4)))
-        secure = grpc.ssl_channel_credentials(root_certificates=cert_pem)
 
         def call(api_key: str) -> pb.PrefillResponse:
-            message = pb.PrefillRequest(prompt_token_ids=request.prompt_ids, sampling=sampling_proto(request.params))
-            with grpc.secure_channel(running.target, secure) as channel:
-                return pb_grpc.KVChannelStub(channel).Prefill(
-                    message, metadata=(("authorization", f"Bearer {api_key}"),), timeout=120)
+            return prefill_call(running.target, request, key=api_key, tls_ca=cert_pem)
 
         with pytest.raises(grpc.RpcError) as limited:
             call("key-tiny")  # a prompt of 60-odd tokens, over tiny's 20 queued tokens

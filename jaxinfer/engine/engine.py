@@ -276,7 +276,7 @@ class Engine:
     @property
     def kv_identity(self) -> str:
         """The digest of what a KV store page must match here (checkpoint and KV layout); "" without a store."""
-        return self._publisher.store.identity.digest() if self._publisher is not None else ""
+        return self._publisher.store.identity_digest if self._publisher is not None else ""
 
     def metrics(self) -> dict[str, float]:
         """Counters and gauges: running, waiting, preemptions, free pages, prefix hits, per-step times."""

@@ -28,11 +28,9 @@ class ReplicaStepFailed(Exception):
     the failed replicas' requests (`failed_request`) are lost. `all_failed`: no replica is left."""
 
     def __init__(self, finished: list[RequestOutput], errors: dict[int, Exception], num_replicas: int,
-                 reason: str = ""):
-        reasons = "; ".join(f"replica {replica}: {error!r}" for replica, error in sorted(errors.items()))
-        super().__init__(reason or reasons)
-        self.finished, self.errors, self.num_replicas = finished, errors, num_replicas
-        self.all_failed = bool(reason)
+                 all_failed: bool):
+        super().__init__("; ".join(f"replica {replica}: {error!r}" for replica, error in sorted(errors.items())))
+        self.finished, self.errors, self.num_replicas, self.all_failed = finished, errors, num_replicas, all_failed
 
     def failed_request(self, index: int) -> bool:
         return index % self.num_replicas in self.errors
@@ -53,7 +51,7 @@ class ReplicaSet:
         """The replica for a new request, among those that have not failed (ReplicaStepFailed)."""
         healthy = [engine for replica, engine in enumerate(self.engines) if replica not in self.failed]
         if not healthy:
-            raise ReplicaStepFailed([], {}, len(self.engines), "every replica has failed")
+            raise RuntimeError("every replica has failed (ReplicaStepFailed): none can take a request")
         session = request.params.exec_session if request.params.exec else ""
         if session:
             digest = hashlib.sha256(f"{tenant_of(request)}\x00{session}".encode()).digest()
@@ -125,9 +123,7 @@ class ReplicaSet:
                 failed[replica] = exc
         if failed:
             self.failed |= set(failed)
-            error = ReplicaStepFailed(finished, failed, len(self.engines))
-            error.all_failed = len(self.failed) == len(self.engines)
-            raise error
+            raise ReplicaStepFailed(finished, failed, len(self.engines), len(self.failed) == len(self.engines))
         return finished
 
     def abort(self, index: int) -> RequestOutput | None:

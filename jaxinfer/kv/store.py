@@ -167,7 +167,8 @@ class PageStore:
         self.location, self.identity = location, identity
         self.ttl_seconds, self.max_bytes, self.timeout_seconds = ttl_seconds, max_bytes, timeout_seconds
         self._kv = ts.KvStore.open(kvstore_spec(location)).result(timeout=timeout_seconds)
-        self._prefix = identity.digest() + "/"
+        self.identity_digest = identity.digest()  # names this model's values; sent to prefill peers
+        self._prefix = self.identity_digest + "/"
         self.stats = StoreStats()
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0  # of the index's entries (read by the metrics thread: no iteration there)
