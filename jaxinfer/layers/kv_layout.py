@@ -16,11 +16,13 @@ the prefill-to-decode channel and host copies do not depend on the attention bac
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.parallel import named_sharding
 
@@ -59,7 +61,14 @@ class KVLayout(Protocol):
 def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, mesh: Mesh | None) -> jax.Array:
     if mesh is None:
         return jnp.zeros(shape, dtype)
-    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=named_sharding(shape, axes, mesh))()
+    return _zeros_program(shape, jnp.dtype(dtype), named_sharding(shape, axes, mesh))()
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros_program(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> Callable[[], jax.Array]:
+    """One jitted program per pool shape: every layer's pools reuse it (a new function per pool was a
+    new trace and executable each, 60 of them for SmolLM2, about 3 s of every engine start)."""
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype), out_shardings=sharding)
 
 
 @dataclasses.dataclass(frozen=True)
