@@ -78,7 +78,8 @@ class EngineCollector(Collector):
                                   value=m["store_read_seconds"])
         yield CounterMetricFamily("jaxinfer_kv_store_corrupt", "stored pages dropped for a bad checksum or size",
                                   value=m.get("kv_l3_corrupt", 0))
-        yield CounterMetricFamily("jaxinfer_kv_store_timeouts", "store reads not done within kv_store_timeout_seconds",
+        yield CounterMetricFamily("jaxinfer_kv_store_timeouts",
+                                  "store reads and writes not done within kv_store_timeout_seconds",
                                   value=m.get("kv_l3_timeouts", 0))
         yield CounterMetricFamily("jaxinfer_kv_store_evicted", "stored pages removed by the capacity limit",
                                   value=m.get("kv_l3_evicted", 0))

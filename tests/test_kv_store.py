@@ -241,6 +241,33 @@ def test_a_read_that_never_completes_is_a_miss_after_the_deadline(tmp_path):
         release_fifo(fifo)
 
 
+def test_a_write_that_never_completes_is_dropped_and_writes_rest(tmp_path):
+    """A FIFO where tensorstore's file driver writes a value before renaming it (`<key>.__lock`) blocks
+    that write for good (its open waits for a reader), as a hung store does: `flush` gives up at the
+    deadline and the page is not stored. Background writes then rest (skipped at once) instead of
+    every later flush waiting the deadline again on the same hung store."""
+    store = PageStore(f"file://{tmp_path}/", IDENTITY, timeout_seconds=2.0)
+    store.put(KEYS[0], page(0))
+    locks = [value_file(tmp_path, store, key).with_name(key.hex() + ".__lock") for key in KEYS[1:3]]
+    for lock in locks:
+        os.mkfifo(lock)
+    try:
+        store.put(KEYS[1], page(1), wait=False)
+        started = time.perf_counter()
+        store.flush()
+        assert 1.5 < time.perf_counter() - started < 20 and KEYS[1] not in store and KEYS[0] in store
+        started = time.perf_counter()
+        store.put(KEYS[2], page(2), wait=False)
+        store.flush()
+        assert time.perf_counter() - started < 1 and KEYS[2] not in store  # it waited 2 s again
+        assert (store.stats.timeouts, store.stats.write_errors, store.stats.writes_skipped) == (1, 1, 1)
+        assert store.writes_resting() and not store.resting()  # reads are not affected
+        assert store.get(KEYS[0]) is not None
+    finally:
+        for lock in locks:
+            release_fifo(lock)  # the blocked open finds a reader, then tensorstore refuses the FIFO
+
+
 def test_a_fifo_at_a_local_page_path_is_removed_without_reading_it(tmp_path):
     """With a local path the store checks what is there first: a FIFO would hold a tensorstore I/O
     thread for good even after the deadline, and enough of them stall every later read and write."""

@@ -250,6 +250,37 @@ def test_a_hand_off_with_min_tokens_ignores_stop_strings_in_the_first_token(smol
     assert engine.generate([decode_request(passed)])[0].token_ids == expected.token_ids
 
 
+def test_a_prefill_worker_on_a_hung_store_waits_once_and_hands_off_only_stored_pages(smollm2_llm, tmp_path):
+    """The file driver's write of one prompt page blocks for good (a FIFO where it writes the value
+    before renaming it), as on a hung store. The first hand-off waits the deadline once and reports
+    only the two pages before the hung one as stored; its decode computes the rest, with the same
+    output. Writes then rest: the next hand-off, whose third page is the same, does not wait again."""
+    from jaxinfer.engine.disagg import decode_request, handoff, prefill_request, with_seed
+
+    store = PageStore(f"file://{tmp_path}/", identity(smollm2_llm), timeout_seconds=1.0)
+    prefill = engine_on(smollm2_llm, tiers=TieredPages(None, store))
+    requests = [with_seed(smollm2_llm.chat_request([{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": question}], GREEDY))
+                for question in ("When is high tide?", "How far does the beam reach?")]
+    page = smollm2_llm.config.page_size
+    keys = chain_keys(requests[0].prompt_ids, page)
+    assert keys[:3] == chain_keys(requests[1].prompt_ids, page)[:3]  # the shared SYSTEM prefix
+    lock = tmp_path / store.identity_digest / (keys[2].hex() + ".__lock")
+    lock.parent.mkdir(exist_ok=True)
+    os.mkfifo(lock)
+    try:
+        firsts = [prefill.generate([prefill_request(request)])[0] for request in requests]
+    finally:
+        os.close(os.open(lock, os.O_RDWR))  # the blocked open finds a reader; tensorstore refuses the FIFO
+    assert [first.stored_pages for first in firsts] == [2, 2]
+    assert store.stats.timeouts == 1 and store.stats.writes_skipped > 0  # the second did not wait
+    passed = handoff(requests[0], firsts[0], prefill.max_model_len)
+    assert passed.finish_reason is None
+    expected = engine_on(smollm2_llm, prefix_caching=False).generate([requests[0]])[0]
+    assert prefill.generate([decode_request(passed)])[0].token_ids == expected.token_ids
+    assert prefill.pool.num_free == prefill.pool.capacity
+
+
 def test_a_stored_page_that_never_arrives_is_recomputed_after_the_deadline(smollm2_llm, tmp_path):
     """A FIFO at a stored page's path blocks its read forever, as a hung network filesystem would:
     the request waits no longer than `kv_store_timeout_seconds`, then computes that page and the rest

@@ -17,6 +17,7 @@ chunks complete (`PagePublisher`), so most writes overlap the rest of the prefil
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -128,13 +129,14 @@ class PagePublisher:
                 waiting.append((step, keys, groups))
                 continue
             for key, page in zip(keys, host_pages(groups), strict=False):  # padding rows have no key
-                self.store.put(key, page.numpy(), wait=False)
-            self.stats.pages_published += len(keys)
+                self.stats.pages_published += self.store.put(key, page.numpy(), wait=False)
         self._copies = waiting
 
     def finish(self, seq: Sequence) -> int:
-        """Writes the request's remaining prompt pages and waits for all; returns the pages stored."""
+        """Writes the request's remaining prompt pages and waits for all; returns how many leading prompt
+        pages are stored (a write that failed, timed out or was skipped ends the run: the decode worker
+        computes the rest)."""
         self.publish(seq, step=-1)
         self.write_ready()
         self.store.flush()
-        return seq.published_pages
+        return sum(1 for _ in itertools.takewhile(self.store.__contains__, seq.page_keys[: seq.published_pages]))

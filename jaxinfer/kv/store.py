@@ -23,7 +23,10 @@ Every wait on the store has a deadline (`timeout_seconds`): a read that has not 
 (a hung network filesystem, a FIFO planted at a page's path) is a miss, the page is recomputed and
 leaves the index so later requests do not wait on it again; a header read at open or sweep that
 times out leaves the value out of the index; a listing that times out fails the open (or skips
-that sweep) with an error naming the setting. The engine never blocks longer than the deadline.
+that sweep) with an error naming the setting. A background write not done by its deadline (`flush`)
+is not stored, and background writes then rest for a while too: they are skipped (counted), so the
+next hand-offs and demotions do not each wait the deadline on a hung store, and no more of
+tensorstore's I/O threads are tied up by it. The engine never blocks longer than the deadline.
 
 Raw kvstore values rather than one zarr array per page: a page is written once and read whole, so
 zarr's chunk grid and per-array metadata would only add a second object per page.
@@ -49,7 +52,7 @@ import tensorstore as ts
 log = logging.getLogger(__name__)
 
 MAGIC = b"jaxinfer-kv-page/1\n"
-REST_SECONDS = 60  # how long reads are skipped after one timed out (the store is hung or overloaded)
+REST_SECONDS = 60  # how long reads (writes) are skipped after one timed out (the store is hung or overloaded)
 HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this size find it
 PAGE_KEY_NAME = re.compile("[0-9a-f]{32}")  # a prefix-cache key (16 bytes) in hex; other names are not pages
 
@@ -87,8 +90,9 @@ class StoreStats:
     corrupt: int = 0  # values dropped for a bad checksum, size or header
     expired: int = 0  # values removed by `sweep`
     evicted: int = 0  # values removed to stay under `max_bytes`
-    write_errors: int = 0
-    timeouts: int = 0  # reads or header reads not done within `timeout_seconds`
+    write_errors: int = 0  # writes that failed or were not done within `timeout_seconds`
+    timeouts: int = 0  # reads, header reads or writes not done within `timeout_seconds`
+    writes_skipped: int = 0  # background writes not made while writes rest after a timeout
 
 
 @dataclass(frozen=True)
@@ -175,6 +179,7 @@ class PageStore:
         self._writes: dict[bytes, ts.Future] = {}  # background writes not yet known to be done, by page
         self._folder = None if "://" in location else Path(os.path.abspath(location))  # the `file` driver's
         self._resting_until = 0.0  # after a read times out, reads are skipped (misses) until then
+        self._writes_resting_until = 0.0  # after a write times out, background writes are skipped until then
         damaged = self._scan()
         if ttl_seconds > 0 or max_bytes > 0:
             self._remove_stale(damaged, time.time())
@@ -243,6 +248,9 @@ class PageStore:
     def resting(self) -> bool:
         return time.monotonic() < self._resting_until
 
+    def writes_resting(self) -> bool:
+        return time.monotonic() < self._writes_resting_until
+
     def _readable(self, page_key: bytes) -> bool:
         """False for something other than a regular file at a local page's path (a FIFO would block a
         tensorstore thread for good): it is removed and counted as damaged."""
@@ -285,13 +293,17 @@ class PageStore:
         except Exception as exc:  # left for a later sweep
             log.warning("KV store delete of %s failed: %s", page_key.hex(), exc)
 
-    def put(self, page_key: bytes, page: np.ndarray, now: float | None = None, wait: bool = True) -> None:
+    def put(self, page_key: bytes, page: np.ndarray, now: float | None = None, wait: bool = True) -> bool:
         """Stores one page ([layers, 2, kv_heads, page_size, head_dim]); replaces an earlier value.
 
-        With `wait=False` the write runs in the background (see `flush`)."""
+        With `wait=False` the write runs in the background (see `flush`); it is skipped (False) while
+        writes rest after one timed out."""
         if not self.identity.fits(page):
             raise ValueError(f"a KV page of shape {page.shape} and dtype {page.dtype} does not fit this store's "
                              f"model ({self.identity.page_shape}, {self.identity.dtype})")
+        if not wait and self.writes_resting():
+            self.stats.writes_skipped += 1
+            return False
         data = np.ascontiguousarray(page).tobytes()
         created = time.time() if now is None else now
         header = {"shape": list(page.shape), "dtype": str(page.dtype), "nbytes": len(data),
@@ -307,6 +319,7 @@ class PageStore:
         self.stats.writes += 1
         self.stats.bytes_written += len(value)
         self._enforce_capacity()
+        return True
 
     def _reap_writes(self, block: bool = False) -> None:
         pending = {}
@@ -317,11 +330,24 @@ class PageStore:
                 continue
             try:
                 self._within(future, deadline)
+            except TimeoutError:
+                self._write_timed_out(page_key, future)
             except Exception as exc:  # a full disk or a lost connection: the page is simply not stored
                 log.warning("KV store write of %s failed: %s", page_key.hex(), exc)
                 self._index_pop(page_key)
                 self.stats.write_errors += 1
         self._writes = pending
+
+    def _write_timed_out(self, page_key: bytes, future: ts.Future) -> None:
+        """A write not done by its deadline: not stored, and background writes rest for REST_SECONDS."""
+        future.cancel()
+        if not self.writes_resting():
+            log.warning("KV store write of %s took over %g s (engine.kv_store_timeout_seconds): not stored; "
+                        "writes rest for %d s", page_key.hex(), self.timeout_seconds, REST_SECONDS)
+        self._writes_resting_until = time.monotonic() + REST_SECONDS
+        self._index_pop(page_key)
+        self.stats.timeouts += 1
+        self.stats.write_errors += 1
 
     def flush(self) -> None:
         """Waits for every background write (until the deadline: a write not done by then counts as failed)."""

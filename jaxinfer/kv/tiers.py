@@ -142,9 +142,8 @@ class TieredPages:
         if self.store is None:
             return  # no L3: pages pushed out of L2 are dropped
         for key, page in pages:
-            if key not in self.store:  # restored from L3 earlier: the stored copy is the same
-                self.store.put(key, page.numpy(), wait=False)
-                self.stats.demoted_l3 += 1
+            if key not in self.store and self.store.put(key, page.numpy(), wait=False):  # else: the same copy
+                self.stats.demoted_l3 += 1  # is stored (restored from L3 earlier), or writes rest
 
     def host_page(self, key: bytes) -> HostPage | None:
         return self.host.get(key) if self.host is not None else None
