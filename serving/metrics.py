@@ -83,7 +83,8 @@ class EngineCollector(Collector):
                                   value=m.get("kv_l3_timeouts", 0))
         yield CounterMetricFamily("jaxinfer_kv_store_evicted", "stored pages removed by the capacity limit",
                                   value=m.get("kv_l3_evicted", 0))
-        yield CounterMetricFamily("jaxinfer_kv_pages_published", "prompt pages a prefill worker stored",
+        yield CounterMetricFamily("jaxinfer_kv_pages_published",
+                                  "prompt pages a prefill worker began writing to the KV store",
                                   value=m["pages_published"])
 
 

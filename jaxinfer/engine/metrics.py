@@ -26,7 +26,7 @@ class EngineStats:
     spec_rounds: int = 0  # row-rounds that speculated (each emits its accepted proposals plus one token)
     spec_draft_calls: int = 0  # draft propose calls (one position each, over the speculating rows)
     spec_draft_seconds: float = 0.0  # wall time of the proposal loops (part of step_seconds)
-    pages_published: int = 0  # prompt pages a prefill worker wrote to the KV store for decode workers
+    pages_published: int = 0  # prompt pages a prefill worker began writing to the KV store (failed ones too)
     aborted: int = 0
     discarded_samples: int = 0  # ids sampled for a sequence that had finished meanwhile (overlap's cost)
     exec_programs: int = 0  # programs run for requests with exec on (results and traps)

@@ -23,10 +23,10 @@ Every wait on the store has a deadline (`timeout_seconds`): a read that has not 
 (a hung network filesystem, a FIFO planted at a page's path) is a miss, the page is recomputed and
 leaves the index so later requests do not wait on it again; a header read at open or sweep that
 times out leaves the value out of the index; a listing that times out fails the open (or skips
-that sweep) with an error naming the setting. A background write not done by its deadline (`flush`)
-is not stored, and background writes then rest for a while too: they are skipped (counted), so the
-next hand-offs and demotions do not each wait the deadline on a hung store, and no more of
-tensorstore's I/O threads are tied up by it. The engine never blocks longer than the deadline.
+that sweep) with an error naming the setting. A background write not done by its deadline (found at
+the next write or `flush`) is not stored, and background writes then rest for a while too: they
+are skipped (counted), so the next hand-offs and demotions do not each wait the deadline on a hung
+store, and no more of tensorstore's I/O threads are tied up by it. The engine never blocks longer than the deadline.
 
 Raw kvstore values rather than one zarr array per page: a page is written once and read whole, so
 zarr's chunk grid and per-array metadata would only add a second object per page.
@@ -93,6 +93,12 @@ class StoreStats:
     write_errors: int = 0  # writes that failed or were not done within `timeout_seconds`
     timeouts: int = 0  # reads, header reads or writes not done within `timeout_seconds`
     writes_skipped: int = 0  # background writes not made while writes rest after a timeout
+
+
+@dataclass(frozen=True)
+class _Write:
+    future: ts.Future
+    deadline: float  # perf_counter time by which it must be done (`timeout_seconds` after it started)
 
 
 @dataclass(frozen=True)
@@ -176,7 +182,7 @@ class PageStore:
         self.stats = StoreStats()
         self._index: dict[bytes, _Entry] = {}
         self._bytes = 0  # of the index's entries (read by the metrics thread: no iteration there)
-        self._writes: dict[bytes, ts.Future] = {}  # background writes not yet known to be done, by page
+        self._writes: dict[bytes, _Write] = {}  # background writes not yet known to be done, by page
         self._folder = None if "://" in location else Path(os.path.abspath(location))  # the `file` driver's
         self._resting_until = 0.0  # after a read times out, reads are skipped (misses) until then
         self._writes_resting_until = 0.0  # after a write times out, background writes are skipped until then
@@ -312,26 +318,27 @@ class PageStore:
         future = self._kv.write(self._key(page_key), value)
         if wait:
             future.result(timeout=self.timeout_seconds)
-        else:
-            self._writes[page_key] = future
+        self._index_set(page_key, _Entry(len(data), created))  # before a reap, which drops it if it failed
+        if not wait:
+            self._writes[page_key] = _Write(future, time.perf_counter() + self.timeout_seconds)
             self._reap_writes()
-        self._index_set(page_key, _Entry(len(data), created))
         self.stats.writes += 1
         self.stats.bytes_written += len(value)
         self._enforce_capacity()
         return True
 
     def _reap_writes(self, block: bool = False) -> None:
+        """Settles the background writes that are done, or past their deadline (`block`: waits for the
+        rest until theirs): a write that failed or timed out leaves the index."""
         pending = {}
-        deadline = time.perf_counter() + self.timeout_seconds
-        for page_key, future in self._writes.items():
-            if not (block or future.done()):
-                pending[page_key] = future
+        for page_key, write in self._writes.items():
+            if not (block or write.future.done() or time.perf_counter() > write.deadline):
+                pending[page_key] = write
                 continue
             try:
-                self._within(future, deadline)
+                self._within(write.future, write.deadline)
             except TimeoutError:
-                self._write_timed_out(page_key, future)
+                self._write_timed_out(page_key, write.future)
             except Exception as exc:  # a full disk or a lost connection: the page is simply not stored
                 log.warning("KV store write of %s failed: %s", page_key.hex(), exc)
                 self._index_pop(page_key)
@@ -350,7 +357,8 @@ class PageStore:
         self.stats.write_errors += 1
 
     def flush(self) -> None:
-        """Waits for every background write (until the deadline: a write not done by then counts as failed)."""
+        """Waits for every background write until its deadline (`timeout_seconds` after it started): a
+        write not done by then counts as failed."""
         self._reap_writes(block=True)
 
     def _enforce_capacity(self) -> None:
