@@ -9,6 +9,8 @@ The caller's `authorization` metadata is forwarded, so the prefill worker sees t
 front sends its KV store identity, and a prefill worker with another refuses (FAILED_PRECONDITION).
 A peer that fails, is busy, or does not answer within `serve.prefill_timeout_seconds` is passed
 over; if no peer answers, the decode worker prefills the request itself and says so in its log.
+If the client's deadline passes while peers are tried, the call ends (DEADLINE_EXCEEDED) instead:
+nobody waits for a local prefill any more.
 `serve.prefill_tls_ca` makes the channels to the peers TLS (the forwarded API key is a secret).
 """
 
@@ -18,6 +20,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -153,6 +156,10 @@ class IdentityMismatch(Exception):
     """The decode front's KV store identity is not the prefill worker's: its pages would never be found."""
 
 
+class DeadlinePassed(Exception):
+    """The caller's deadline passed while prefill peers were tried: nobody waits for the request now."""
+
+
 class PrefillRouter:
     """The decode front's side of the channel: sends a request to a prefill peer, returns the hand-off.
 
@@ -173,30 +180,36 @@ class PrefillRouter:
     async def prefill(self, request: Request, metadata: tuple, timeout: float | None,
                       kv_identity: str = "") -> Handoff | None:
         """The hand-off from a peer (the request's seed fixed first), or None when no peer answered.
-        `timeout`: the caller's time left (None: no deadline)."""
+        `timeout`: the caller's time left (None: no deadline); DeadlinePassed once it has run out."""
         request = with_seed(request)
         message = pb.PrefillRequest(prompt_token_ids=request.prompt_ids, sampling=sampling_proto(request.params),
                                     request_id=request.request_id, kv_identity=kv_identity)
         forwarded = tuple((k, v) for k, v in metadata if k == "authorization")
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        passed = DeadlinePassed("the client's deadline passed while prefill peers were tried")
         for _ in self.peers:
             peer = next(self._next)
-            left = self.timeout_seconds if deadline is None else min(self.timeout_seconds, deadline - loop.time())
-            if left <= 0:
-                break
+            client_left = math.inf if deadline is None else deadline - loop.time()
+            if client_left <= 0:
+                raise passed
+            left = min(self.timeout_seconds, client_left)
             call = self._channels[peer].unary_unary(f"/{SERVICE}/Prefill",
                                                     request_serializer=pb.PrefillRequest.SerializeToString,
                                                     response_deserializer=pb.PrefillResponse.FromString)
             try:
                 reply = await call(message, metadata=forwarded, timeout=left)
             except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED and client_left <= self.timeout_seconds:
+                    raise passed from None  # the client's deadline, not the peer's own timeout
                 log.warning("prefill peer %s: %s: %s", self.peers[peer], exc.code().name, exc.details())
                 continue
             self.remote += 1
             done = REASON_OF.get(reply.finish_reason)
             return Handoff(request, list(reply.token_ids), list(reply.logprobs) or [0.0] * len(reply.token_ids),
                            reply.stored_pages, done, reply.text, reply.usage.cached_tokens)
+        if deadline is not None and loop.time() >= deadline:
+            raise passed
         self.local += 1
         log.warning("no prefill peer answered; prefilling request %s here", request.request_id)
         return None

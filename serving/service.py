@@ -20,7 +20,7 @@ from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, Request
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
 from serving.convert import FINISH_REASONS, check_request_id, delta_failure, sampling_params, submit_refusal
-from serving.disagg import PrefillRouter, finished_output
+from serving.disagg import DeadlinePassed, PrefillRouter, finished_output
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc  # the servicer base class
@@ -160,7 +160,12 @@ class InferenceService(pb_grpc.InferenceServicer):
         await self.charge_tenant(tenant, cost, context)
         try:
             if self.router is not None and not self.llm.engine.adapter_name(engine_req):  # peers: base model only
-                engine_req, done = await self._prefill_on_peer(engine_req, context)
+                try:
+                    engine_req, done = await self._prefill_on_peer(engine_req, context)
+                except DeadlinePassed as exc:  # the client has gone: no local prefill to cancel at once
+                    self.count("cancelled")
+                    self.log_request(request_id, tenant.name, "cancelled", None, time.perf_counter() - started)
+                    await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(exc))
                 if done is not None:
                     self.count("ok", done.final)
                     yield self._response(engine_req.request_id, engine_req, done)

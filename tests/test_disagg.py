@@ -19,7 +19,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.disagg import Handoff, settled, with_seed
 from jaxinfer.engine.params import Request
 from serving.convert import sampling_proto
-from serving.disagg import PrefillRouter, finished_output
+from serving.disagg import DeadlinePassed, PrefillRouter, finished_output
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.proto.jaxinfer.v1 import inference_pb2_grpc as pb_grpc
 from serving.tenants import Tenant
@@ -133,6 +133,10 @@ def test_a_busy_or_wedged_peer_is_passed_over_and_the_front_prefills_itself(kv_l
             started = time.perf_counter()
             assert route(running.target, request, timeout=None, timeout_seconds=1.0) == (None, 0, 1)
             assert time.perf_counter() - started < 10  # the peer's own deadline, not the client's (none)
+            started = time.perf_counter()
+            with pytest.raises(DeadlinePassed, match="the client's deadline passed"):  # the client has gone:
+                route(running.target, request, timeout=1.0)  # no local prefill, cancelled at once
+            assert time.perf_counter() - started < 10
             backlog = []  # max_seqs to run and one waiting (the timed-out call's request may be one)
             with pytest.raises(QueueFull):
                 for _ in range(worker.engine.cfg.max_seqs + 2):
