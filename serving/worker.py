@@ -92,6 +92,12 @@ class EngineWorker:
         return len(self._streams)
 
     # -- called from other threads ----------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        """Requests waiting to start beyond the `max_seqs` the engine runs at once (negative: room left).
+        Read from any thread: lengths of the scheduler's lists, off by at most a request in transit."""
+        return self._adds.qsize() + self.engine.num_requests - self._capacity
+
     def submit(self, request: Request, deliver: Callable[[Delta], None]) -> _Stream:
         """Queues a validated request; its deltas go to `deliver` (called on the worker thread)."""
         if self.dead is not None:
@@ -99,8 +105,7 @@ class EngineWorker:
         self.engine.validate(request)
         stream = _Stream(request, deliver)
         try:
-            # Read from this thread: lengths of the scheduler's lists, off by at most a request in transit.
-            if self._adds.qsize() + self.engine.num_requests - self._capacity >= self.max_queued:
+            if self.waiting >= self.max_queued:
                 raise queue.Full
             self._adds.put_nowait(stream)
         except queue.Full:

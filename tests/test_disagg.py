@@ -147,6 +147,10 @@ def test_a_busy_or_wedged_peer_is_passed_over_and_the_front_prefills_itself(kv_l
             assert route(running.target, request) == (None, 0, 1)
             for stream in backlog:
                 worker.cancel(stream)
+        deadline = time.monotonic() + 30  # the engine thread, released, drops the cancelled requests
+        while worker.waiting >= worker.max_queued:
+            assert time.monotonic() < deadline, worker.waiting
+            time.sleep(0.01)
         passed, remote, local = route(running.target, request)
         assert (remote, local) == (1, 0) and passed.generated_ids
     finally:
