@@ -26,7 +26,8 @@ times out leaves the value out of the index; a listing that times out fails the 
 that sweep) with an error naming the setting. A background write not done by its deadline (found at
 the next write or `flush`) is not stored, and background writes then rest for a while too: they
 are skipped (counted), so the next hand-offs and demotions do not each wait the deadline on a hung
-store, and no more of tensorstore's I/O threads are tied up by it. The engine never blocks longer than the deadline.
+store, and no more of tensorstore's I/O threads are tied up by it. The engine never blocks longer
+than the deadline.
 
 Raw kvstore values rather than one zarr array per page: a page is written once and read whole, so
 zarr's chunk grid and per-array metadata would only add a second object per page.
@@ -276,12 +277,21 @@ class PageStore:
         return False
 
     def _timed_out(self, page_key: bytes, future: ts.Future, what: str) -> None:
-        """A read not done by its deadline: a miss; the page leaves the index so no request waits on it
-        again, and reads rest for REST_SECONDS (misses at once) rather than each wait the deadline too."""
+        """A read or write not done by its deadline: a miss, or not stored; the page leaves the index so no
+        request waits on it again, and reads (background writes) rest for REST_SECONDS, skipped at once,
+        rather than each wait the deadline too."""
         future.cancel()
-        self._resting_until = time.monotonic() + REST_SECONDS
-        log.warning("KV store %s of %s took over %g s (engine.kv_store_timeout_seconds): treated as a miss; "
-                    "reads rest for %d s", what, page_key.hex(), self.timeout_seconds, REST_SECONDS)
+        writing = what == "write"
+        rest = "writes" if writing else "reads"
+        if not (self.writes_resting() if writing else self.resting()):
+            log.warning("KV store %s of %s took over %g s (engine.kv_store_timeout_seconds): %s; %s rest for %d s",
+                        what, page_key.hex(), self.timeout_seconds, "not stored" if writing else "treated as a miss",
+                        rest, REST_SECONDS)
+        if writing:
+            self._writes_resting_until = time.monotonic() + REST_SECONDS
+            self.stats.write_errors += 1
+        else:
+            self._resting_until = time.monotonic() + REST_SECONDS
         self._index_pop(page_key)
         self.stats.timeouts += 1
         if what == "read":
@@ -330,31 +340,20 @@ class PageStore:
     def _reap_writes(self, block: bool = False) -> None:
         """Settles the background writes that are done, or past their deadline (`block`: waits for the
         rest until theirs): a write that failed or timed out leaves the index."""
-        pending = {}
+        pending, now = {}, time.perf_counter()
         for page_key, write in self._writes.items():
-            if not (block or write.future.done() or time.perf_counter() > write.deadline):
+            if not (block or write.future.done() or now > write.deadline):
                 pending[page_key] = write
                 continue
             try:
                 self._within(write.future, write.deadline)
             except TimeoutError:
-                self._write_timed_out(page_key, write.future)
+                self._timed_out(page_key, write.future, "write")
             except Exception as exc:  # a full disk or a lost connection: the page is simply not stored
                 log.warning("KV store write of %s failed: %s", page_key.hex(), exc)
                 self._index_pop(page_key)
                 self.stats.write_errors += 1
         self._writes = pending
-
-    def _write_timed_out(self, page_key: bytes, future: ts.Future) -> None:
-        """A write not done by its deadline: not stored, and background writes rest for REST_SECONDS."""
-        future.cancel()
-        if not self.writes_resting():
-            log.warning("KV store write of %s took over %g s (engine.kv_store_timeout_seconds): not stored; "
-                        "writes rest for %d s", page_key.hex(), self.timeout_seconds, REST_SECONDS)
-        self._writes_resting_until = time.monotonic() + REST_SECONDS
-        self._index_pop(page_key)
-        self.stats.timeouts += 1
-        self.stats.write_errors += 1
 
     def flush(self) -> None:
         """Waits for every background write until its deadline (`timeout_seconds` after it started): a
