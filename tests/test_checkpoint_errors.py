@@ -20,6 +20,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.parallel import make_mesh
 from jaxinfer.weights import hf
+from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.gguf_file import checkpoint_name as gguf_name
 from jaxinfer.weights.loader import abstract_model, load_model, parameters
 
@@ -190,6 +191,20 @@ def test_loaded_gguf_weights_do_not_change_when_the_file_is_rewritten(tmp_path, 
         file.seek(tensor.data_offset)
         file.write(np.full(tensor.n_elements, 7.0, np.float32).tobytes())
     assert np.array_equal(np.asarray(loaded.get_value()), before)
+
+
+def test_the_checkpoint_reads_what_the_gguf_library_reads(smollm2_path):
+    """The reader runs over a plain view of the memory map (faster); every metadata value and tensor
+    byte is the library's own, and nothing it returns is a `np.memmap`."""
+    ours = GGUFCheckpoint(smollm2_path).reader
+    library = gguf.GGUFReader(str(smollm2_path))
+    assert list(ours.fields) == list(library.fields)
+    for name, field in library.fields.items():
+        assert ours.fields[name].contents() == field.contents(), name
+    assert [(t.name, t.tensor_type, t.data_offset) for t in ours.tensors] == \
+        [(t.name, t.tensor_type, t.data_offset) for t in library.tensors]
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(ours.tensors, library.tensors, strict=True))
+    assert not any(isinstance(t.data, np.memmap) for t in ours.tensors)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -72,13 +72,32 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(weight.shape)
 
 
+class _PlainViewReader(gguf.GGUFReader):
+    """`gguf.GGUFReader` over a plain ndarray view of its memory map.
+
+    The reader slices its buffer once or twice per metadata value (about 250,000 times for a
+    49k-token vocabulary with its merges). A `np.memmap` slice runs `memmap.__array_finalize__`
+    each time, which made up most of the 3 s that parsing SmolLM2's header took; a plain view of
+    the same mapping reads the same bytes about 3x faster. The mapping stays open through the view's
+    `base`.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._plain_data
+
+    @data.setter
+    def data(self, mapped: np.ndarray) -> None:
+        self._plain_data = mapped.view(np.ndarray)
+
+
 class GGUFCheckpoint:
     """A GGUF file opened (memory-mapped) once; metadata, config and tensors read from it."""
 
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(str(path))
+            self.reader = _PlainViewReader(str(path))
         except Exception as exc:  # the reader raises many types on a damaged file
             raise CheckpointError(f"{path}: not a readable GGUF file, or truncated ({exc})") from None
         if self.reader.byte_order != "I":  # "S": swapped; dequantize would read the bytes as native
