@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import jax
 import jax.numpy as jnp
@@ -94,6 +95,17 @@ def test_steps_copy_host_arrays_to_the_device_only_explicitly(smollm2_llm, alone
     assert [o.token_ids for o in cached] == expected and sum(o.usage.cached_tokens for o in cached) > 0
     assert [o.token_ids for o in preempted] == expected and engine.stats.preemptions > 0
     assert engine.pool.num_free == engine.pool.capacity
+
+
+def test_the_step_traces_one_decoder_layer_and_calls_it_for_every_layer(smollm2_llm):
+    """Tracing each of the 30 layers in turn was most of the time an engine start spent lowering its
+    steps; the lowered step holds one layer function, called once per layer."""
+    runner = smollm2_llm.runner
+    bucket = smollm2_llm.config.token_buckets[-1]
+    text = runner._jitted.lower(runner.graphdef, runner.state, runner.caches, runner.no_tokens,
+                                runner.abstract_inputs(bucket), *runner._exec_args()).as_text()
+    assert len(re.findall(r"func\.func private @_run_layer\(", text)) == 1
+    assert len(re.findall(r"call @_run_layer\(", text)) == smollm2_llm.model_config.num_layers
 
 
 def test_the_xla_compile_counter_sees_a_new_program():

@@ -11,6 +11,7 @@
     python tools/bench.py spec                      # speculative decoding vs none, batch 1 and 8, 128 new tokens
     python tools/bench.py processor                 # WebAssembly processor instructions/s vs wasmtime
     python tools/bench.py --no-peer shape           # llama3-8b shape, random weights: decode vs roofline, offline
+    python tools/bench.py --no-peer start           # engine start on a warm compilation cache: load, lower, read
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -519,6 +520,31 @@ def bench_lora(args: argparse.Namespace) -> None:
               mixed_ratio=round(results["mixed_adapters"]["tok_s"] / results["no_slots"]["tok_s"], 3)))
 
 
+def bench_start(args: argparse.Namespace) -> None:
+    """Engine start on a warm compilation cache: loading, then per bucket the step's trace and lowering
+    (paid at every start: the cache is looked up by the lowered module) and the rest of the warm-up."""
+    import jax
+
+    from jaxinfer import LLM
+
+    LLM(args.model, args.config)  # fills the compilation cache
+    for repeat in range(args.repeats):
+        start = time.perf_counter()
+        llm = LLM(args.model, args.config)
+        total = time.perf_counter() - start
+        runner = llm.runner
+        jax.clear_caches()  # else `lower` finds the warm-up's trace
+        lower_start = time.perf_counter()
+        for bucket in llm.config.token_buckets:
+            runner._jitted.lower(runner.graphdef, runner.state, runner.caches, runner.no_tokens,
+                                 runner.abstract_inputs(bucket), *runner._exec_args())
+        lower = time.perf_counter() - lower_start
+        emit(dict(what="engine_start", repeat=repeat, start_s=round(total, 2), load_s=round(llm.load_seconds, 2),
+                  warmup_s=round(llm.warmup_seconds, 2), trace_and_lower_s=round(lower, 2),
+                  buckets=list(llm.config.token_buckets)))
+        del llm, runner
+
+
 def bench_all(args: argparse.Namespace) -> None:
     llm = load_llm(args)
     bench_offline(args, llm)
@@ -561,6 +587,8 @@ def main() -> None:
     sampler.add_argument("--vocab", type=int, default=128256)
     sampler.add_argument("--repeats", type=int, default=5)
     shape_bench.add_arguments(sub.add_parser("shape", description=shape_bench.__doc__.splitlines()[0]))
+    start = sub.add_parser("start", description=bench_start.__doc__.splitlines()[0])
+    start.add_argument("--repeats", type=int, default=3)
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
                                                  epilog=processor_bench.ISSUE_SCALE))
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
@@ -594,6 +622,8 @@ def main() -> None:
         bench_exec(args)
     elif args.workload == "lora":
         bench_lora(args)
+    elif args.workload == "start":
+        bench_start(args)
     else:
         workloads[args.workload](args)
 

@@ -8,6 +8,7 @@ tokens, their attention metadata and the per-layer paged KV caches to hidden sta
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,17 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x), lora), cache
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _run_layer(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, cache: LayerCache, meta: AttentionMetadata,
+               inv_freq: jax.Array, lora: jax.Array | None) -> tuple[jax.Array, LayerCache]:
+    """One decoder layer as a nested jit. The layers share one structure (`graphdef`) and their inputs'
+    shapes, so under the step's trace the layer is traced and lowered once per bucket and called once
+    per layer; XLA inlines the calls, and the compiled step is the one that 30 copies of the body give.
+    Tracing every layer in turn made up most of an engine start's lowering, which is paid even on a
+    warm compilation cache (docs/architecture.md, "Model")."""
+    return nnx.merge(graphdef, state)(x, cache, meta, inv_freq, lora)
+
+
 class LlamaModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, dtype: jnp.dtype, rngs: nnx.Rngs | None):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
@@ -130,7 +142,8 @@ class LlamaForCausalLM(nnx.Module):
         inv_freq = jnp.asarray(inverse_frequencies(self.config))
         new_caches = []
         for layer, cache in zip(self.model.layers, caches, strict=True):
-            x, cache = layer(x, cache, meta, inv_freq, lora)
+            graphdef, state = nnx.split(layer)
+            x, cache = _run_layer(graphdef, state, x, cache, meta, inv_freq, lora)
             new_caches.append(cache)
         return self.model.norm(x), tuple(new_caches)
 
