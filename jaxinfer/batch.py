@@ -277,6 +277,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
         "exec_traps": llm.engine.stats.exec_traps,
         "exec_idle_steps": llm.engine.stats.exec_idle_steps,
         "spec_accepted": llm.engine.stats.spec_accepted,
+        "spec_draft_refilled_tokens": llm.engine.stats.spec_draft_refilled_tokens,
         "load_s": round(llm.load_seconds, 3),
         "warmup_s": round(llm.warmup_seconds, 3),
         "xla_compiles_after_warmup": compiles,  # XLA programs of any kind compiled (or loaded) during the run

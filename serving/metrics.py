@@ -50,6 +50,9 @@ class EngineCollector(Collector):
                                                     "(0 when warm-up covered everything)", compiles_while_serving),
             "jaxinfer_spec_proposed_tokens": ("draft tokens proposed for verification", m["spec_proposed"]),
             "jaxinfer_spec_accepted_tokens": ("draft tokens the target accepted", m["spec_accepted"]),
+            "jaxinfer_spec_draft_refilled_tokens": ("draft KV positions recomputed for pages restored from a KV "
+                                                    "tier (which holds the target's KV only)",
+                                                    m["spec_draft_refilled_tokens"]),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)

@@ -11,12 +11,17 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 from conftest import TEST_ENGINE, engine_toml
 from flax import nnx
+from test_kv_tiers import evict_everything
 
 from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.speculator import refill_groups
 from jaxinfer.errors import CheckpointError
+from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.weights.draft import save_draft, truncated_weights
 
 pytestmark = pytest.mark.slow
@@ -129,17 +134,54 @@ def test_speculative_rounds_copy_host_arrays_to_the_device_only_explicitly(trunc
     assert got == expected and spec_stats(truncated_draft)[0] > proposed
 
 
-def test_the_target_as_its_own_draft_accepts_every_proposal(smollm2_llm):
-    # One 8-token bucket: with a 30-layer draft every program is twice the target's size.
-    spec = LLM("smollm2-135m", **{**TEST_ENGINE, "token_buckets": (8,)}, draft_model="smollm2-135m",
+@pytest.fixture(scope="module")
+def self_draft():
+    """The target as its own draft. One 8-token bucket: with a 30-layer draft every program is twice
+    the target's size."""
+    return LLM("smollm2-135m", **{**TEST_ENGINE, "token_buckets": (8,)}, draft_model="smollm2-135m",
                num_draft_tokens=3)
+
+
+def test_the_target_as_its_own_draft_accepts_every_proposal(smollm2_llm, self_draft):
     greedy = SamplingParams(max_tokens=16, temperature=0.0)
     expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS[:2], greedy)]
-    assert [o.token_ids for o in spec.generate_chat(CHATS[:2], greedy)] == expected
+    assert [o.token_ids for o in self_draft.generate_chat(CHATS[:2], greedy)] == expected
     sampled = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=3)
-    spec.generate_chat(CHATS[2:], sampled)
-    proposed, accepted = spec_stats(spec)
+    self_draft.generate_chat(CHATS[2:], sampled)
+    proposed, accepted = spec_stats(self_draft)
     assert proposed > 0 and accepted == proposed
+
+
+def test_the_draft_computes_its_kv_of_pages_restored_from_host_memory(self_draft):
+    """L2 holds the target's KV only. With the draft's own KV of every page wiped after eviction, the
+    restored prompt's draft KV is recomputed before the draft reads it: every proposal is accepted."""
+    runner = self_draft.runner
+    engine = Engine(runner, self_draft.tokenizer, self_draft.max_model_len, tiers=TieredPages(HostTier(64), None))
+    try:
+        chat = [{"role": "user", "content": "Describe a lighthouse at night."}]  # pages no other test made
+        request = self_draft.chat_request(chat, SamplingParams(max_tokens=16, temperature=0.0))
+        first = engine.generate([request])[0]
+        evict_everything(engine)
+        runner.spec.caches = jax.tree.map(lambda c: jax.device_put(jnp.zeros_like(c), c.sharding), runner.spec.caches)
+        proposed, accepted = engine.stats.spec_proposed, engine.stats.spec_accepted
+        again = engine.generate([request])[0]
+    finally:  # the module's other tests use the runner without tiers
+        runner.tiers, runner.pool.track_evictions = None, False
+    assert again.token_ids == first.token_ids
+    restored = engine.stats.prefix_hit_tokens_l2
+    assert restored >= 3 * self_draft.config.page_size
+    assert engine.stats.spec_proposed > proposed
+    assert engine.stats.spec_accepted - accepted == engine.stats.spec_proposed - proposed
+    assert engine.stats.spec_draft_refilled_tokens == restored
+    assert engine.pool.num_free == engine.pool.capacity and not engine.pool.restored
+
+
+def test_refill_spans_are_cut_and_grouped_in_order():
+    a, b = object(), object()
+    spans = [(a, 0, 20), (b, 8, 16), (a, 40, 48)]
+    assert refill_groups(spans, tokens=16, rows=2) == [[(a, 0, 16)], [(a, 16, 20), (b, 8, 16)], [(a, 40, 48)]]
+    assert refill_groups(spans, tokens=64, rows=8) == [spans]
+    assert refill_groups([], tokens=8, rows=1) == []
 
 
 def test_the_batch_runner_speculates_and_reports_it(smollm2_llm, draft_folder, tmp_path):

@@ -395,6 +395,7 @@ class Engine:
             return finished
         plan = self.speculator.plan(chunks)
         drafting = time.perf_counter()
+        self.speculator.refill(plan.chunks, self.runner.empty_batch)
         self.speculator.propose(plan, self.runner.empty_batch, self.runner.bucket_for)
         self.stats.spec_draft_seconds += time.perf_counter() - drafting
         batch = self._build_batch(plan.chunks, plan.drafts)

@@ -25,6 +25,7 @@ class EngineStats:
     spec_accepted: int = 0  # of which the target accepted
     spec_rounds: int = 0  # row-rounds that speculated (each emits its accepted proposals plus one token)
     spec_draft_calls: int = 0  # draft propose calls (one position each, over the speculating rows)
+    spec_draft_refilled_tokens: int = 0  # draft KV computed for restored pages (the tiers hold the target's)
     spec_draft_seconds: float = 0.0  # wall time of the proposal loops (part of step_seconds)
     pages_published: int = 0  # prompt pages a prefill worker began writing to the KV store (failed ones too)
     aborted: int = 0

@@ -277,6 +277,7 @@ class Scheduler:
                     self.pool.forget(page)
                 self.pool.free(pages)
                 raise
+            self.pool.restored.update(pages)
         return pages
 
     def publish_pages(self, seq: Sequence) -> None:

@@ -156,12 +156,28 @@ class SpecRunner:
         fits = [b for b in self.target.cfg.token_buckets if b < self.target.cfg.max_seqs]
         return [*fits, self.target.bucket_for(min(self.target.cfg.max_seqs, self.target.cfg.token_buckets[-1]))]
 
+    @property
+    def refill_bucket(self) -> int:
+        """The largest propose bucket, compiled for computing the draft's KV of restored pages."""
+        return self.target.cfg.token_buckets[-1]
+
+    def smallest_propose_bucket(self, tokens: int, rows: int) -> int:
+        """The smallest compiled propose bucket with room for `tokens` tokens in `rows` rows."""
+        return min(b for b in self._propose_exes if b >= tokens and self.target.rows_for(b) >= rows)
+
+    def warmup_refill(self) -> None:
+        """Compiles the propose step for `refill_bucket` (needed where pages can be restored: KV tiers)."""
+        if self.refill_bucket not in self._propose_exes:
+            self._propose_exes[self.refill_bucket] = self._compile_propose(self.refill_bucket)
+
     def warmup(self) -> None:
         start = time.perf_counter()
         for bucket in self.target.cfg.token_buckets:
-            self._verify_exes.setdefault(bucket, self._compile_verify(bucket))
+            if bucket not in self._verify_exes:
+                self._verify_exes[bucket] = self._compile_verify(bucket)
         for bucket in self.propose_buckets():
-            self._propose_exes.setdefault(bucket, self._compile_propose(bucket))
+            if bucket not in self._propose_exes:
+                self._propose_exes[bucket] = self._compile_propose(bucket)
         log.info("compiled the speculative verify and propose steps in %.1fs", time.perf_counter() - start)
 
     # -- run ---------------------------------------------------------------------------------------

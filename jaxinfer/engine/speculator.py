@@ -8,11 +8,13 @@ step is built, so overlapped scheduling is off with a draft model):
    bucket; short of `min_tokens`, only as many as keep every scored position under the ban on
    stop ids. Pages for the proposals are reserved now, without
    preempting anyone (no pages: fewer proposals).
-2. `propose`: up to K draft calls over the speculating rows, one position each. After each call the
+2. `refill`: restored pages (from the KV tiers, or a prefill worker's handoff) hold the target's KV
+   only; before any draft call reads one, the draft computes its own KV of it (largest bucket).
+3. `propose`: up to K draft calls over the speculating rows, one position each. After each call the
    host reads the proposals' confidence (the draft's top probability); a row stops at the first
    proposal below `draft_confidence`, which is not proposed, and the loop ends when every row has
    stopped, so the verify length follows how sure the draft is.
-3. The engine builds the verify batch (speculating rows first, each its last token followed by its
+4. The engine builds the verify batch (speculating rows first, each its last token followed by its
    proposals), runs `SpecRunner.verify`, appends each row's accepted tokens and drawn token, and
    gives back the pages of rejected positions (`Scheduler.trim`).
 """
@@ -23,12 +25,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import jax
+import numpy as np
 
 from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.engine.spec_step import ProposeResult, SpecRunner
 from jaxinfer.engine.step import HostBatch
+
+Span = tuple[Sequence, int, int]  # a sequence's positions [start, end)
 
 
 @dataclass
@@ -81,6 +86,42 @@ class Speculator:
         left = min(params.max_tokens - seq.num_generated, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(cap, left))
 
+    def refill(self, chunks: list[ScheduledChunk], empty_batch: Callable[[int], HostBatch]) -> None:
+        """Computes the draft's KV of the restored pages that `chunks` read (the pages before each chunk).
+
+        From a sequence's first restored page to its last, every page is recomputed (the span is one
+        causal prefill). A page shared by several chunks is recomputed once."""
+        restored, page_size = self.scheduler.pool.restored, self.scheduler.cfg.page_size
+        spans: list[Span] = []
+        stale_pages: set[int] = set()
+        for chunk in chunks if restored else ():
+            read = chunk.seq.pages[: chunk.start // page_size]
+            stale = [i for i, page in enumerate(read) if page in restored and page not in stale_pages]
+            if stale:
+                spans.append((chunk.seq, stale[0] * page_size, (stale[-1] + 1) * page_size))
+                stale_pages.update(read[stale[0] : stale[-1] + 1])
+        largest = self.spec.refill_bucket
+        for group in refill_groups(spans, largest, self.spec.target.rows_for(largest)):
+            tokens = sum(end - start for _, start, end in group)
+            bucket = self.spec.smallest_propose_bucket(tokens, len(group))
+            self.spec.propose(self._refill_batch(group, empty_batch(bucket)), None)
+            self.stats.spec_draft_refilled_tokens += tokens
+        restored.difference_update(stale_pages)  # only now: a failed call leaves them to the next round
+
+    def _refill_batch(self, group: list[Span], batch: HostBatch) -> HostBatch:
+        """One row per span: its tokens at their positions, writing the draft's KV into their pages."""
+        page_size, cursor = self.scheduler.cfg.page_size, 0
+        for row, (seq, start, end) in enumerate(group):
+            span, positions, pages = slice(cursor, cursor + end - start), np.arange(start, end), np.asarray(seq.pages)
+            batch.tokens[span] = seq.tokens(start, end - start)
+            batch.positions[span], batch.seq_rows[span] = positions, row
+            batch.write_slots[span] = pages[positions // page_size] * page_size + positions % page_size
+            batch.page_table[row, : len(pages)] = pages
+            batch.logits_rows[row] = span.stop - 1
+            cursor = span.stop
+        batch.seq_rows[cursor:] = len(group) - 1  # padding tokens belong to a real row (and write to page 0)
+        return batch
+
     def propose(self, plan: Round, empty_batch, bucket_for) -> None:
         """Runs the draft loop, filling `plan.drafts` and `plan.proposals`."""
         rows, page_size = plan.rows, self.scheduler.cfg.page_size
@@ -115,3 +156,22 @@ class Speculator:
                 else:
                     active[j] = False
         self.stats.spec_draft_calls += len(plan.proposals)
+
+
+def refill_groups(spans: list[Span], tokens: int, rows: int) -> list[list[Span]]:
+    """The spans, in order, cut and grouped into batches of at most `tokens` tokens and `rows` rows.
+
+    A later span may read pages an earlier one in the same batch writes (a shared prefix): each layer
+    writes the batch's KV before it attends, so it reads what the earlier span wrote."""
+    groups: list[list[Span]] = [[]]
+    used = 0
+    for seq, start, end in spans:
+        while start < end:
+            if used == tokens or len(groups[-1]) == rows:
+                groups.append([])
+                used = 0
+            piece_end = min(end, start + tokens - used)
+            groups[-1].append((seq, start, piece_end))
+            used += piece_end - start
+            start = piece_end
+    return [group for group in groups if group]

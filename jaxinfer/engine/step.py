@@ -434,6 +434,8 @@ class ModelRunner:
             self._export_fn = jax.jit(self._export_pages, out_shardings=device.with_memory_kind("pinned_host"))
             self._import_rows_fn = jax.jit(functools.partial(_import_rows, self.model.kv_layout, device),
                                            donate_argnums=(0,), out_shardings=self.cache_shardings)
+        if self.spec is not None:  # restored pages lack the draft's KV: it is computed on restore
+            self.spec.warmup_refill()
         for group in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
             self.import_pages([(0, HostPage(group, 0))])
             self.import_pages([(0, np.zeros(group.shape[1:], group.dtype))])

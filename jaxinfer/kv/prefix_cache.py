@@ -39,6 +39,9 @@ class PrefixCachingPool:
         self._key_of: dict[int, bytes] = {}
         self.track_evictions = False  # record evicted cached pages, for demotion to a lower KV tier
         self._evicted: list[tuple[int, bytes]] = []
+        # Pages written from a lower KV tier since they were allocated: the tiers carry the target
+        # model's KV only, so a draft model's KV of these pages is still to be computed.
+        self.restored: set[int] = set()
 
     @property
     def capacity(self) -> int:
@@ -67,6 +70,7 @@ class PrefixCachingPool:
                 if self.track_evictions:
                     self._evicted.append((page, key))
             self._refs[page] = 1
+            self.restored.discard(page)
             pages.append(page)
         return pages
 
