@@ -30,6 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 # the machine; 4 devices a process were slower still). Several local devices a process are covered by
 # the transfer test, which is cheap.
 DEVICES_PER_PROCESS = 1
+# How long a group's start and its batch run may take. Each step waits on about 170 cross-process
+# collectives, and each costs about a scheduler time slice when the 2 cores also run the other test
+# worker: on a busy 2-core machine the main test's run took 202 s (71 steps) after a 200 s cold-cache
+# warm-up, where alone it takes 27 s in all.
+GROUP_SECONDS = 900
 TRANSFER_DEVICES_PER_PROCESS = 2
 ENGINE_TOML = """[engine]
 token_buckets = [8, 64]
@@ -109,14 +114,14 @@ class Group:
     def log(self, i: int) -> str:
         return self.logs[i].read_text(errors="replace")
 
-    def wait_for(self, i: int, text: str, timeout: float = 300) -> None:
+    def wait_for(self, i: int, text: str, timeout: float = GROUP_SECONDS) -> None:
         deadline = time.monotonic() + timeout
         while text not in self.log(i):
             assert self.procs[i].poll() is None, f"process {i} exited early:\n{self.log(i)[-3000:]}"
             assert time.monotonic() < deadline, f"process {i} never logged {text!r}:\n{self.log(i)[-3000:]}"
             time.sleep(0.2)
 
-    def wait(self, i: int, timeout: float = 300) -> int:
+    def wait(self, i: int, timeout: float = GROUP_SECONDS) -> int:
         return self.procs[i].wait(timeout)
 
     def kill_all(self) -> None:
