@@ -71,7 +71,7 @@ def test_writes_commit_on_halt_and_only_then(root: Path) -> None:
     trapped = run(program(f"(drop {write}) unreachable", data), files=mapping(root, "acme", "secret.txt"))
     assert trapped.trap == "unreachable" and trapped.files_written == {}
     assert (root / "acme" / "secret.txt").read_bytes() == b"acme secret"
-    assert not [p for p in (root / "acme").rglob("*") if p.name.startswith(".staged")]
+    assert not [p for p in (root / "acme").rglob("*") if p.name.startswith(".jaxinfer-")]
 
 
 def test_proc_exit(root: Path) -> None:

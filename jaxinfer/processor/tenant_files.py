@@ -4,8 +4,8 @@ Every component of a mapped path is opened relative to its parent's descriptor w
 so a component swapped for a link (or a FIFO, or a folder) between the request's check and the
 program's read or commit is refused instead of followed: no path can reach outside the folder at
 any moment. The tenant's folder itself (``<root>/<tenant>``) is the operator's layout and may be a
-link. Reads are capped (``limit`` bytes) before anything is read, and a commit writes a temporary
-file in the same folder descriptor and renames it over the name, so a reader never sees half a file.
+link. Reads are capped (``limit`` bytes) before anything is read. Commits (``tenant_commit``) use these
+openers too.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ class LinkRefused(OSError):
 
 
 @contextlib.contextmanager
-def _folder(folder: Path, parts: tuple[str, ...], create: bool) -> Iterator[int]:
+def folder_of(folder: Path, parts: tuple[str, ...], create: bool = False) -> Iterator[int]:
     """A descriptor of ``folder/parts...``, each part opened without following links (created if asked)."""
     descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -35,7 +34,7 @@ def _folder(folder: Path, parts: tuple[str, ...], create: bool) -> Iterator[int]
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=descriptor)
-            child = _open_below(name, _DIRECTORY, descriptor)
+            child = open_below(name, _DIRECTORY, descriptor)
             os.close(descriptor)
             descriptor = child
         yield descriptor
@@ -43,7 +42,7 @@ def _folder(folder: Path, parts: tuple[str, ...], create: bool) -> Iterator[int]
         os.close(descriptor)
 
 
-def _open_below(name: str, flags: int, folder: int, mode: int = 0o777) -> int:
+def open_below(name: str, flags: int, folder: int, mode: int = 0o777) -> int:
     try:
         return os.open(name, flags, mode, dir_fd=folder)
     except OSError as error:
@@ -56,7 +55,7 @@ def file_size(folder: Path, relative: str) -> int | None:
     """The size of the regular file at ``relative``, or None if it does not exist yet."""
     *parents, name = Path(relative).parts
     try:
-        with _folder(folder, tuple(parents), create=False) as parent:
+        with folder_of(folder, tuple(parents), create=False) as parent:
             info = os.stat(name, dir_fd=parent, follow_symlinks=False)
     except FileNotFoundError:
         return None
@@ -75,9 +74,9 @@ def read_file(folder: Path, relative: str, limit: int) -> bytearray:
     """The contents of ``relative`` (empty if it does not exist yet); more than ``limit`` bytes is refused."""
     *parents, name = Path(relative).parts
     try:
-        with _folder(folder, tuple(parents), create=False) as parent:
+        with folder_of(folder, tuple(parents), create=False) as parent:
             # O_NONBLOCK: a FIFO planted at the name must not block the open; it is refused below.
-            descriptor = _open_below(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, parent)
+            descriptor = open_below(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, parent)
     except FileNotFoundError:
         return bytearray()
     try:
@@ -93,34 +92,6 @@ def read_file(folder: Path, relative: str, limit: int) -> bytearray:
     if len(data) > limit:  # it grew after the check
         raise FileTooLarge(relative, len(data), limit)
     return data
-
-
-def write_file(folder: Path, relative: str, data: bytes) -> None:
-    """Replaces ``relative`` with ``data`` atomically (a synced temporary file renamed over it, keeping an
-    existing file's mode); creates missing folders. An error leaves no temporary file behind."""
-    *parents, name = Path(relative).parts
-    folder.mkdir(parents=True, exist_ok=True)  # a tenant's first file creates its folder
-    with _folder(folder, tuple(parents), create=True) as parent:
-        try:
-            info = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        except FileNotFoundError:
-            info = None
-        # Only a regular file's mode is kept: a link's (0777) or a FIFO's must not become the file's.
-        mode = stat.S_IMODE(info.st_mode) if info is not None and stat.S_ISREG(info.st_mode) else NEW_FILE_MODE
-        staged = f".staged-{secrets.token_hex(8)}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-        descriptor = _open_below(staged, flags, parent, NEW_FILE_MODE)
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                os.fchmod(out.fileno(), mode)
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(staged, name, src_dir_fd=parent, dst_dir_fd=parent)  # a link at `name` is replaced, not followed
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(staged, dir_fd=parent)
-            raise
 
 
 class FileTooLarge(OSError):

@@ -8,22 +8,25 @@ Files: a request maps paths of its tenant's own namespace (``<root>/<tenant>/<pa
 descriptors 3, 4, ... in order. A path must be relative, without ``..``, and may not pass through a
 symbolic link below the tenant's folder (``tenant_files``: checked at every open, not once). The
 files a request maps may hold at most the tenant's byte quota together. Writes go to a staged copy;
-the staged files replace the real ones atomically (a temporary file, then a rename) only when the
-program halts normally, so a trap leaves every file as it was. Growing a tenant's files past its
-byte quota is a trap.
+only when the program halts normally do the changed files replace the real ones, all together or none
+(``tenant_commit``: a journal, then renames), so a trap or a failed commit leaves every file as it
+was, and a program maps its files under the same lock, never half of another's commit. Growing a
+tenant's files past its byte quota is a trap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
 
-from jaxinfer.processor.tenant_files import file_size, read_file, write_file
+from jaxinfer.processor.tenant_commit import RESERVED_PREFIX, commit_files, tenant_lock
+from jaxinfer.processor.tenant_files import file_size, read_file
 
 T = TypeVar("T")
 
@@ -88,8 +91,9 @@ class FileMapping:
     def check(self) -> int:
         """Checks every mapped path (see ``_guarded``) and that together they hold at most the quota;
         returns the bytes they hold. Raises FileAccessError naming the path and the rule."""
-        total = sum(self._guarded(relative, lambda r=relative: file_size(self.folder, r)) or 0
-                    for relative in self.paths)
+        with self.locked():
+            total = sum(self._guarded(relative, lambda r=relative: file_size(self.folder, r)) or 0
+                        for relative in self.paths)
         if total > self.quota_bytes:
             raise FileAccessError(f"exec_files: the mapped files hold {total} bytes, over the tenant's quota of "
                                   f"{self.quota_bytes} (engine.exec_quota_bytes)")
@@ -99,15 +103,33 @@ class FileMapping:
         """The file's bytes (empty if it does not exist yet); more than ``limit`` is a FileAccessError."""
         return self._guarded(relative, lambda: read_file(self.folder, relative, limit))
 
-    def _guarded(self, relative: str, action: Callable[[], T]) -> T:
-        """Runs ``action`` on ``relative`` after refusing absolute paths, ``..``, control characters and an
-        invalid tenant; its OS complaints (a link, a FIFO, a file where a folder should be) become one
-        FileAccessError naming the path."""
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Holds the tenant's lock (``tenant_commit.tenant_lock``): no commit runs meanwhile, and one a
+        crash interrupted is finished or undone first."""
+        self._check_tenant()
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(tenant_lock(self.folder))
+            except OSError as error:
+                raise FileAccessError(f"tenant {self.tenant!r}: its folder: {error.strerror or error}") from error
+            yield
+
+    def _check_tenant(self) -> None:
         if not _clean_name(self.tenant) or "/" in self.tenant or self.tenant in (".", ".."):
             raise FileAccessError(f"tenant {self.tenant!r}: not a valid namespace name")
+
+    def _guarded(self, relative: str, action: Callable[[], T]) -> T:
+        """Runs ``action`` on ``relative`` after refusing absolute paths, ``..``, control characters, names
+        reserved for commits and an invalid tenant; its OS complaints (a link, a FIFO, a file where a folder
+        should be) become one FileAccessError naming the path."""
+        self._check_tenant()
         candidate = Path(relative)
         if not _clean_name(relative) or candidate.is_absolute() or ".." in candidate.parts or not candidate.parts:
             raise FileAccessError(f"exec_files: {relative!r} must be a relative path without '..'")
+        if any(part.startswith(RESERVED_PREFIX) for part in candidate.parts):
+            raise FileAccessError(f"exec_files: {relative!r}: names starting with {RESERVED_PREFIX!r} are "
+                                  "reserved for the engine's commits")
         try:
             return action()
         except (OSError, ValueError) as error:
@@ -118,7 +140,8 @@ class FileMapping:
         folder = self.folder
         if not folder.exists():
             return 0
-        return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file() and not path.is_symlink())
+        return sum(path.stat().st_size for path in folder.rglob("*")
+                   if path.is_file() and not path.is_symlink() and not path.name.startswith(RESERVED_PREFIX))
 
 
 @dataclass
@@ -135,11 +158,14 @@ class Syscalls:
     running: Callable[[], Iterable[Syscalls]] = field(default=lambda: ())
 
     def __post_init__(self) -> None:
-        left = self.mapping.quota_bytes if self.mapping else 0
-        for index, relative in enumerate(self.mapping.paths if self.mapping else ()):
-            data = self.mapping.read(relative, left)  # together at most the quota
-            left -= len(data)
-            self.files[FIRST_FILE + index] = MappedFile(relative, data, len(data))
+        if self.mapping is None:
+            return
+        left = self.mapping.quota_bytes
+        with self.mapping.locked():
+            for index, relative in enumerate(self.mapping.paths):
+                data = self.mapping.read(relative, left)  # together at most the quota
+                left -= len(data)
+                self.files[FIRST_FILE + index] = MappedFile(relative, data, len(data))
 
     def call(self, number: int, args: list[int], memory: np.ndarray) -> int:
         """Serves one call; ``memory`` is the slot's linear memory (updated in place). Returns the errno."""
@@ -243,13 +269,11 @@ class Syscalls:
         return max(0, self.mapping.used_bytes() - mapped)
 
     def commit(self) -> dict[str, bytes]:
-        """Writes every changed file atomically (``tenant_files.write_file``); returns them by mapped path.
-        An OSError leaves no temporary file behind."""
-        written: dict[str, bytes] = {}
-        for handle in self.files.values():
-            if handle.dirty:
-                write_file(self.mapping.folder, handle.relative, bytes(handle.data))
-                written[handle.relative] = bytes(handle.data)
+        """Replaces every changed file, all or none (``tenant_commit.commit_files``); returns them by mapped
+        path. An OSError leaves the files as they were and no staged file behind."""
+        written = {handle.relative: bytes(handle.data) for handle in self.files.values() if handle.dirty}
+        if written:
+            commit_files(self.mapping.folder, written)
         return written
 
 
