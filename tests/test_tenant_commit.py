@@ -7,6 +7,9 @@ the folder the way the engine does: by taking the tenant's lock before it reads.
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -136,3 +139,74 @@ def test_a_reader_waits_for_a_commit_in_progress(tenant: Path) -> None:
 def test_names_reserved_for_commits_cannot_be_mapped(tenant: Path, path: str) -> None:
     with pytest.raises(FileAccessError, match=rf"'{path}': names starting with '\.jaxinfer-' are reserved"):
         FileMapping(tenant.parent, "acme", (path,)).check()
+
+
+@pytest.mark.parametrize(("paths", "rule"), [
+    (("x", "x/y"), r"'x' is a file and a folder of 'x/y'"),
+    (("a.txt", "./a.txt"), r"'a\.txt' and '\./a\.txt' name the same file"),
+])
+def test_paths_no_commit_could_take_are_refused_before_the_program_runs(tenant: Path, paths, rule) -> None:
+    with pytest.raises(FileAccessError, match=rule):
+        FileMapping(tenant.parent, "acme", paths).check()
+    with pytest.raises(OSError, match=rule):
+        commit_files(tenant, dict.fromkeys(paths, b"x"))
+    assert contents(tenant) == OLD and not leftovers(tenant)
+
+
+def test_a_journal_that_points_outside_the_folder_is_refused_not_followed(tenant: Path, tmp_path: Path) -> None:
+    """A journal is written whole by the engine, so one naming a path out of the folder was planted: the
+    tenant's files stay locked with an error naming it, and nothing outside is touched."""
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"not the tenant's")
+    entry = dict(path=str(victim), staged=f"{RESERVED_PREFIX}staged-{'0' * 16}",
+                 prior=f"{RESERVED_PREFIX}prior-{'0' * 16}", existed=False)
+    (tenant / f"{RESERVED_PREFIX}journal").write_text(json.dumps([entry]))
+    with pytest.raises(FileAccessError, match=r"\.jaxinfer-journal: not a commit journal .*must be a relative path"):
+        FileMapping(tenant.parent, "acme", ("a.txt",)).check()
+    assert victim.read_bytes() == b"not the tenant's" and contents(tenant)["a.txt"] == OLD["a.txt"]
+
+
+def test_a_clean_up_failure_after_the_commit_point_is_not_a_failed_commit(tenant: Path, monkeypatch) -> None:
+    """Every file is new once the journal is marked done: removing the prior copies may fail (here, by an
+    injected error), and the commit still returns; the next lock removes what is left."""
+    real_unlink = os.unlink
+
+    def refuse_priors(name, *args, **kwargs):
+        if str(name).startswith(f"{RESERVED_PREFIX}prior"):
+            raise OSError(errno.EIO, "injected")
+        return real_unlink(name, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse_priors)
+    commit_files(tenant, NEW)
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert leftovers(tenant)
+    with tenant_lock(tenant):
+        pass
+    assert contents(tenant) == NEW and not leftovers(tenant)
+
+
+def test_without_hard_links_the_prior_files_are_copies(tenant: Path, monkeypatch) -> None:
+    """Where the file system refuses a hard link (a file the engine does not own under
+    fs.protected_hardlinks, or no hard links at all), the old bytes are copied instead, and a failed
+    commit still puts them back."""
+    def refuse(*args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", refuse)
+    (tenant / "a.txt").chmod(0o640)
+    commit_files(tenant, NEW)
+    assert contents(tenant) == NEW and (tenant / "a.txt").stat().st_mode & 0o777 == 0o640
+    real_replace, renamed = os.replace, []
+
+    def fail_the_second_rename(source, *args, **kwargs):
+        if str(source).startswith(f"{RESERVED_PREFIX}staged"):
+            renamed.append(source)
+            if len(renamed) == 2:
+                raise OSError(errno.EIO, "injected")
+        return real_replace(source, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", fail_the_second_rename)
+    with pytest.raises(OSError, match="injected"):  # a.txt was replaced already, then put back from its copy
+        commit_files(tenant, {"a.txt": b"again", "b.txt": b"again"})
+    assert contents(tenant) == NEW and not leftovers(tenant)
+    assert (tenant / "a.txt").stat().st_mode & 0o777 == 0o640

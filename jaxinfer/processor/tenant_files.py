@@ -26,14 +26,19 @@ class LinkRefused(OSError):
 
 
 @contextlib.contextmanager
-def folder_of(folder: Path, parts: tuple[str, ...], create: bool = False) -> Iterator[int]:
-    """A descriptor of ``folder/parts...``, each part opened without following links (created if asked)."""
-    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def folder_of(folder: Path | int, parts: tuple[str, ...], create: bool = False) -> Iterator[int]:
+    """A descriptor of ``folder/parts...`` (``folder``: a path, or an open folder's descriptor), each part
+    opened without following links; missing parts are created if asked, and synced into their parent."""
+    if isinstance(folder, int):
+        descriptor = os.dup(folder)
+    else:
+        descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for name in parts:
             if create:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, 0o755, dir_fd=descriptor)
+                    os.fsync(descriptor)
             child = open_below(name, _DIRECTORY, descriptor)
             os.close(descriptor)
             descriptor = child

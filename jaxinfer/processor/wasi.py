@@ -25,7 +25,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from jaxinfer.processor.tenant_commit import RESERVED_PREFIX, commit_files, tenant_lock
+from jaxinfer.processor.tenant_commit import RESERVED_PREFIX, check_paths, commit_files, path_parts, tenant_lock
 from jaxinfer.processor.tenant_files import file_size, read_file
 
 T = TypeVar("T")
@@ -106,8 +106,13 @@ class FileMapping:
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """Holds the tenant's lock (``tenant_commit.tenant_lock``): no commit runs meanwhile, and one a
-        crash interrupted is finished or undone first."""
+        crash interrupted is finished or undone first. Refuses a tenant or a set of paths no commit could
+        take (see ``tenant_commit.check_paths``) before touching the folder."""
         self._check_tenant()
+        try:
+            check_paths(self.paths)
+        except ValueError as error:
+            raise FileAccessError(f"exec_files: {error}") from None
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(tenant_lock(self.folder))
@@ -124,12 +129,10 @@ class FileMapping:
         reserved for commits and an invalid tenant; its OS complaints (a link, a FIFO, a file where a folder
         should be) become one FileAccessError naming the path."""
         self._check_tenant()
-        candidate = Path(relative)
-        if not _clean_name(relative) or candidate.is_absolute() or ".." in candidate.parts or not candidate.parts:
-            raise FileAccessError(f"exec_files: {relative!r} must be a relative path without '..'")
-        if any(part.startswith(RESERVED_PREFIX) for part in candidate.parts):
-            raise FileAccessError(f"exec_files: {relative!r}: names starting with {RESERVED_PREFIX!r} are "
-                                  "reserved for the engine's commits")
+        try:
+            path_parts(relative)
+        except ValueError as error:
+            raise FileAccessError(f"exec_files: {relative!r}: {error}") from None
         try:
             return action()
         except (OSError, ValueError) as error:
@@ -270,7 +273,7 @@ class Syscalls:
 
     def commit(self) -> dict[str, bytes]:
         """Replaces every changed file, all or none (``tenant_commit.commit_files``); returns them by mapped
-        path. An OSError leaves the files as they were and no staged file behind."""
+        path. An OSError means no file changed."""
         written = {handle.relative: bytes(handle.data) for handle in self.files.values() if handle.dirty}
         if written:
             commit_files(self.mapping.folder, written)
