@@ -275,8 +275,6 @@ def _finish(root: int, entries: list[_Entry]) -> None:
 
 def _write_journal(root: int, entries: list[_Entry]) -> None:
     text = json.dumps([asdict(entry) for entry in entries]).encode()
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(_JOURNAL_DRAFT, dir_fd=root)
     _write_synced(_JOURNAL_DRAFT, root, text, NEW_FILE_MODE)
     os.rename(_JOURNAL_DRAFT, JOURNAL, src_dir_fd=root, dst_dir_fd=root)
     os.fsync(root)
@@ -296,7 +294,7 @@ def _read_journal(name: str, root: int) -> list[_Entry]:
     except (ValueError, TypeError) as error:
         raise _not_a_journal(name, str(error)) from None
     for entry in entries:
-        if not (isinstance(entry.path, str) and isinstance(entry.existed, bool)
+        if not (isinstance(entry.existed, bool)  # the paths were checked above, as strings
                 and _WORK_NAME.fullmatch(str(entry.staged)) and _WORK_NAME.fullmatch(str(entry.prior))):
             raise _not_a_journal(name, f"entry {entry!r}")
     return entries
