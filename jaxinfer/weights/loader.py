@@ -8,6 +8,7 @@ copy to be compared with its own (parallel/transfer.py).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterable, Iterator
@@ -172,6 +173,19 @@ def _target_tensors(names: list[str], target: LlamaForCausalLM, draft: dict[str,
         yield name, f"{name} (from the target)", value[:rows] if value.shape[0] > rows else value
 
 
+# One program per (shape, dtype, sharding): the layers of a model share them, so a 32-layer model
+# compiles about ten, not one per tensor.
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> jax.Array:
+    values = (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+    return jax.lax.with_sharding_constraint(values, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _ones(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.ones(shape, dtype), sharding)
+
+
 def random_model(
     cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None = None, seed: int = 0
 ) -> LlamaForCausalLM:
@@ -184,13 +198,8 @@ def random_model(
             shape = tuple(param.get_value().shape)
             sharding = named_sharding(shape, param.logical_axes, mesh)
             if name.endswith("norm.weight"):
-                make = jax.jit(lambda shape=shape: jnp.ones(shape, dtype), out_shardings=sharding)
-                yield name, name, make()
-                continue
-            make = jax.jit(
-                lambda k, shape=shape: (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype),
-                out_shardings=sharding,
-            )
-            yield name, name, make(jax.random.fold_in(key, i))
+                yield name, name, _ones(shape, dtype, sharding)
+            else:
+                yield name, name, _normal(jax.random.fold_in(key, i), shape, dtype, sharding)
 
     return fill(model, tensors(), mesh, f"random {cfg.architecture}")
