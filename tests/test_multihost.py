@@ -43,6 +43,10 @@ num_pages = 256
 page_size = 8
 compile_guard = "raise"
 """
+# For the groups that only have to start and fail: one bucket, no adapters or processor, so each
+# process's warm-up is one small program, and one line long enough (ignore_eos) to outlast the fault.
+LIGHT_ENGINE_TOML = ENGINE_TOML.replace("token_buckets = [8, 64]", "token_buckets = [8]")
+LIGHT_LINE = {"id": "long", "prompt": "1, 2, 3, 4,", "max_tokens": 200, "ignore_eos": True}
 ADAPTER_LINES = """max_adapters = 3
 adapters = ["preloaded={preloaded}", "smollm2-135m-exec"]
 exec_slots = 2
@@ -83,6 +87,8 @@ def workdir(tmp_path_factory) -> Path:
     lines = [{**line, "adapter": str(root / "lora-line")} if line.get("adapter") == "{line_adapter}" else line
              for line in LINES]
     (root / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (root / "light.toml").write_text(LIGHT_ENGINE_TOML)
+    (root / "light.jsonl").write_text(json.dumps(LIGHT_LINE) + "\n")
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "convert.py"), "--model", "smollm2-135m",
                            "--output", str(root / "orbax"), "--mesh-model", "2"], env=cpu_env(2),
                           capture_output=True, text=True, timeout=600)
@@ -93,14 +99,15 @@ def workdir(tmp_path_factory) -> Path:
 class Group:
     """`python -m jaxinfer.batch` started as processes 0..n-1 of one group; stderr goes to files."""
 
-    def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run",
+    def __init__(self, workdir: Path, *extra: str, processes: int = 2, name: str = "run", config: str = "engine.toml",
                  own_args: dict[int, tuple[str, ...]] | None = None, own_code: dict[int, str] | None = None):
-        """`own_args`: extra arguments of one process; `own_code`: Python run instead of `-m jaxinfer.batch`
-        (with the same arguments), to inject a fault into one process."""
+        """`config`: the engine config in `workdir`; `own_args`: extra arguments of one process; `own_code`:
+        Python run instead of `-m jaxinfer.batch` (with the same arguments), to inject a fault into one
+        process."""
         self.port = free_port()
         self.logs = [workdir / f"{name}-{i}.log" for i in range(processes)]
         self.output = workdir / f"{name}.jsonl"
-        args = ["--config", str(workdir / "engine.toml"), "--output", str(self.output), "--no-progress", "-v",
+        args = ["--config", str(workdir / config), "--output", str(self.output), "--no-progress", "-v",
                 "--coordinator", f"127.0.0.1:{self.port}", "--num-processes", str(processes), *extra]
         self.procs = []
         for i, log_path in enumerate(self.logs):
@@ -213,7 +220,7 @@ host = "127.0.0.1"
 port = 0
 metrics_port = -1
 
-""" + ENGINE_TOML
+""" + LIGHT_ENGINE_TOML
 
 
 def test_two_process_grpc_server_streams_and_sigterm_stops_the_group(workdir, smollm2_llm):
@@ -330,7 +337,8 @@ def test_a_follower_that_fails_to_replay_a_step_stops_the_group_at_once(workdir,
     """The follower's third step raises (an injected device fault): it exits 6 at once, closing its
     connection, and the leader exits 3; neither waits out the step's collective or JAX's exit barrier
     (minutes)."""
-    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="replay-fails", own_code={1: FAILING_REPLAY})
+    group = Group(workdir, "--input", str(workdir / "light.jsonl"), name="replay-fails", config="light.toml",
+                  own_code={1: FAILING_REPLAY})
     groups.append(group)
     assert group.wait(1, timeout=240) == REPLAY_FAILED_EXIT, group.log(1)[-3000:]
     assert "error: follower 1: replaying the leader's step" in group.log(1)
@@ -341,7 +349,7 @@ def test_a_follower_that_fails_to_replay_a_step_stops_the_group_at_once(workdir,
 
 
 def test_lost_follower_stops_the_leader_with_an_error(workdir, groups):
-    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="lost-follower")
+    group = Group(workdir, "--input", str(workdir / "light.jsonl"), name="lost-follower", config="light.toml")
     groups.append(group)
     group.wait_for(0, "lockstep leader at")
     group.procs[1].send_signal(signal.SIGKILL)
@@ -351,7 +359,7 @@ def test_lost_follower_stops_the_leader_with_an_error(workdir, groups):
 
 
 def test_lost_leader_stops_the_follower_with_an_error(workdir, groups):
-    group = Group(workdir, "--input", str(workdir / "in.jsonl"), name="lost-leader")
+    group = Group(workdir, "--input", str(workdir / "light.jsonl"), name="lost-leader", config="light.toml")
     groups.append(group)
     """Whichever notices first ends the follower: its control channel (exit 4) or JAX's coordination
     service, which aborts every task of a group whose coordinator (process 0) is gone."""
