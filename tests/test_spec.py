@@ -5,6 +5,7 @@ position of a round and with sampling filters on both; a broken residual rule fa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,12 @@ def tiny_models(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def speculate(params: SamplingInputs, target: np.ndarray, draft: np.ndarray, **rule):
+    """One round as one jitted program, as in the engine (run op by op, each op compiles per shape)."""
+    return _round(params, jnp.asarray(target), jnp.asarray(draft), tuple(rule.items()))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _round(params: SamplingInputs, target: jax.Array, draft: jax.Array, rule: tuple):
     rows = params.seed.shape[0]
     tokens, probs = [], []
     for i in range(PROPOSALS):  # the draft proposes position by position, as the engine does
@@ -44,7 +51,7 @@ def speculate(params: SamplingInputs, target: np.ndarray, draft: np.ndarray, **r
         probs.append(q)
     target_logits = jnp.broadcast_to(target, (rows, PROPOSALS + 1, VOCAB))
     return verify(target_logits, jnp.stack(probs, 1), jnp.stack(tokens, 1),
-                  jnp.full(rows, PROPOSALS, jnp.int32), params, **rule)
+                  jnp.full(rows, PROPOSALS, jnp.int32), params, **dict(rule))
 
 
 def p_value(samples: np.ndarray, expected_probs: np.ndarray) -> float:
@@ -99,9 +106,9 @@ def test_nothing_proposed_samples_exactly_as_the_plain_sampler():
     target, _ = tiny_models(seed=6)
     params = inputs(500, temperature=1.0, top_p=0.95)
     logits = jnp.broadcast_to(target, (500, PROPOSALS + 1, VOCAB))
-    tokens, counts, _ = verify(logits, jnp.zeros((500, PROPOSALS, VOCAB)), jnp.zeros((500, PROPOSALS), jnp.int32),
-                               jnp.zeros(500, jnp.int32), params)
-    plain, _ = sample(logits[:, 0], params)
+    tokens, counts, _ = jax.jit(verify)(logits, jnp.zeros((500, PROPOSALS, VOCAB)),
+                                        jnp.zeros((500, PROPOSALS), jnp.int32), jnp.zeros(500, jnp.int32), params)
+    plain, _ = jax.jit(sample)(logits[:, 0], params)
     assert np.all(np.asarray(counts) == 1) and np.array_equal(np.asarray(tokens)[:, 0], np.asarray(plain))
 
 
