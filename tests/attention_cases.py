@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention
 from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
 
 HEAD_DIM = 32
@@ -62,6 +62,14 @@ def moved_into(layout: KVLayout, k_cache: jax.Array, v_cache: jax.Array, mesh=No
     layouts' neutral form."""
     kv_heads, num_pages, page_size, head_dim = k_cache.shape
     every_page = jnp.arange(num_pages)
-    neutral = SplitPages(kv_heads, head_dim).export(KVCache(k_cache, v_cache), every_page)
+    neutral = jax.jit(SplitPages(kv_heads, head_dim).export)(KVCache(k_cache, v_cache), every_page)
     empty = layout.empty(num_pages, page_size, k_cache.dtype, mesh)
     return jax.jit(layout.import_pages)(empty, every_page, neutral)
+
+
+def reference_output(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, meta: AttentionMetadata, scale: float,
+                     **options) -> jax.Array:
+    """The split-layout reference backend's output, run as one program (op by op, each case's shapes
+    would compile every op anew)."""
+    backend = ReferenceAttention(**options)
+    return jax.jit(lambda q, cache, meta: backend.attend(q, cache, meta, scale))(q, KVCache(k_cache, v_cache), meta)

@@ -18,7 +18,7 @@ CHILD = r"""
 import json, sys
 import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[1])
-from attention_cases import CASES, moved_into, ragged_batch
+from attention_cases import CASES, moved_into, ragged_batch, reference_output
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.layers.attention import ReferenceAttention
 from jaxinfer.layers.kv_layout import KVCache
@@ -32,7 +32,7 @@ report = {}
 
 def run(backend, kv_heads, model_parallel):
     q, k, v, meta = ragged_batch(CASES["mixed"], kv_heads=kv_heads, group=2, page_size=16, table_width=16)
-    expected = ReferenceAttention().attend(q, KVCache(k, v), meta, 0.2)
+    expected = reference_output(q, k, v, meta, 0.2)
     mesh = make_mesh(1, model_parallel, devices=jax.devices()[:model_parallel])
     layout = backend.layout_for(kv_heads, q.shape[2], jnp.float32)
     cache = moved_into(layout, k, v, mesh)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import CASES, HEAD_DIM, ragged_batch, with_padding
+from attention_cases import CASES, HEAD_DIM, ragged_batch, reference_output, with_padding
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, backend_name, make_backend
@@ -26,7 +26,7 @@ def test_kernel_matches_the_reference_backend(case: str, group: int, page_size: 
     q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=group, page_size=page_size,
                                              table_width=16)
     scale = HEAD_DIM**-0.5
-    expected = ReferenceAttention(block_tokens=64, query_tile=4).attend(q, KVCache(k_cache, v_cache), meta, scale)
+    expected = reference_output(q, k_cache, v_cache, meta, scale, block_tokens=64, query_tile=4)
     kernel = PallasGpuAttention(block_tokens=64, interpret=True)
     got = jax.jit(kernel.attend, static_argnums=3)(q, KVCache(k_cache, v_cache), meta, scale)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
@@ -37,7 +37,7 @@ def test_tile_sizes_change_nothing_but_the_reads(case: str, group: int, query_ti
     """Tiles of 4 tokens (32 rows with a GQA group of 8) split each prefill into several tiles; tiles of
     32 take a whole 24-token prefill in one."""
     q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=group, page_size=16, table_width=16)
-    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    expected = reference_output(q, k_cache, v_cache, meta, 0.2)
     kernel = PallasGpuAttention(block_tokens=32, query_tile=query_tile, interpret=True)
     assert kernel.tile_tokens(group) == query_tile
     got = kernel.attend(q, KVCache(k_cache, v_cache), meta, 0.2)
@@ -46,7 +46,7 @@ def test_tile_sizes_change_nothing_but_the_reads(case: str, group: int, query_ti
 
 def test_padding_tokens_get_zeros_and_leave_the_real_ones_alone() -> None:
     q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=3, page_size=16, table_width=16)
-    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    expected = reference_output(q, k_cache, v_cache, meta, 0.2)
     q_padded = jnp.concatenate([q, jnp.ones((21, *q.shape[1:]), q.dtype)])
     got = PallasGpuAttention(interpret=True).attend(q_padded, KVCache(k_cache, v_cache), with_padding(meta, 21), 0.2)
     np.testing.assert_allclose(np.asarray(got[: q.shape[0]]), np.asarray(expected), atol=2e-5, rtol=2e-5)
@@ -62,7 +62,7 @@ def test_a_row_past_its_page_table_reads_only_its_table() -> None:
                              meta.write_slots)
     within = AttentionMetadata(meta.positions.at[0].set(table_keys - 1), meta.seq_rows, meta.page_table,
                                meta.write_slots)
-    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), within, 0.2)
+    expected = reference_output(q, k_cache, v_cache, within, 0.2)
     got = PallasGpuAttention(interpret=True).attend(q, KVCache(k_cache, v_cache), past, 0.2)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
 
@@ -110,7 +110,7 @@ def test_a_wrong_causal_mask_is_caught() -> None:
     """The comparison above can fail: a kernel that also sees the next position differs."""
     q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=2, page_size=16, table_width=16)
     shifted = AttentionMetadata(meta.positions + 1, meta.seq_rows, meta.page_table, meta.write_slots)
-    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    expected = reference_output(q, k_cache, v_cache, meta, 0.2)
     got = PallasGpuAttention(interpret=True).attend(q, KVCache(k_cache, v_cache), shifted, 0.2)
     assert not np.allclose(np.asarray(got), np.asarray(expected), atol=1e-3)
 
@@ -165,7 +165,7 @@ def test_bfloat16_caches_stay_within_bfloat16_rounding(case: str) -> None:
     """GPUs run bf16 caches: the kernel's dots then take bf16 inputs (float32 accumulation and
     softmax); against the float32 reference the error is the inputs' rounding, about 1% of the scale."""
     q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=4, page_size=16, table_width=16)
-    expected = np.asarray(ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2))
+    expected = np.asarray(reference_output(q, k_cache, v_cache, meta, 0.2))
     low = KVCache(k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16))
     got = PallasGpuAttention(interpret=True).attend(q.astype(jnp.bfloat16), low, meta, 0.2)
     assert got.dtype == jnp.bfloat16

@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from attention_cases import CASES, moved_into, ragged_batch, with_padding
+from attention_cases import CASES, moved_into, ragged_batch, reference_output, with_padding
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, backend_name, make_backend
-from jaxinfer.layers.kv_layout import CombinedPages, KVCache, SplitPages
+from jaxinfer.layers.attention import AttentionMetadata, backend_name, make_backend
+from jaxinfer.layers.kv_layout import CombinedPages, SplitPages
 from jaxinfer.layers.ragged_attention import RaggedPagedAttention, contract_reference, ragged_segments
 
 
@@ -63,7 +63,7 @@ def test_backend_matches_the_reference_backend(case: str, group: int, page_size:
     q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=3, group=group, page_size=page_size,
                                              table_width=16)
     scale = 32**-0.5
-    expected = ReferenceAttention(block_tokens=64, query_tile=4).attend(q, KVCache(k_cache, v_cache), meta, scale)
+    expected = reference_output(q, k_cache, v_cache, meta, scale, block_tokens=64, query_tile=4)
     cache, layout = combined_copy(k_cache, v_cache)
     padded = with_padding(meta, 5)
     q_padded = jnp.concatenate([q, jnp.ones((5, *q.shape[1:]), q.dtype)])
@@ -75,7 +75,7 @@ def test_backend_matches_the_reference_backend(case: str, group: int, page_size:
 
 def test_bfloat16_pages_stay_within_bfloat16_rounding() -> None:
     q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=4, page_size=16, table_width=16)
-    expected = np.asarray(ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2))
+    expected = np.asarray(reference_output(q, k_cache, v_cache, meta, 0.2))
     cache, layout = combined_copy(k_cache.astype(jnp.bfloat16), v_cache.astype(jnp.bfloat16))
     assert cache.dtype == jnp.bfloat16
     got = RaggedPagedAttention.plain_jax().attend(q.astype(jnp.bfloat16), cache, meta, 0.2, layout)
@@ -86,7 +86,7 @@ def test_padding_taken_for_queries_is_caught() -> None:
     """The comparison above can fail: counting the padding as queries of the last row shifts its
     causal window (the kernel aligns a sequence's queries to the end of its keys)."""
     q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=2, page_size=16, table_width=16)
-    expected = ReferenceAttention().attend(q, KVCache(k_cache, v_cache), meta, 0.2)
+    expected = reference_output(q, k_cache, v_cache, meta, 0.2)
     cache, _layout = combined_copy(k_cache, v_cache)
     padded = with_padding(meta, 4)
     segments = ragged_segments(padded, 16)
