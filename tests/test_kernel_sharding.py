@@ -20,8 +20,6 @@ import numpy as np, jax, jax.numpy as jnp
 sys.path.insert(0, sys.argv[1])
 from attention_cases import CASES, moved_into, ragged_batch, reference_output
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.layers.attention import ReferenceAttention
-from jaxinfer.layers.kv_layout import KVCache
 from jaxinfer.layers.pallas_attention import PallasGpuAttention
 from jaxinfer.layers.ragged_attention import RaggedPagedAttention
 from jaxinfer.parallel import make_mesh, named_sharding
