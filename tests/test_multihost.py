@@ -36,16 +36,15 @@ DEVICES_PER_PROCESS = 1
 # warm-up, where alone it takes 27 s in all.
 GROUP_SECONDS = 900
 TRANSFER_DEVICES_PER_PROCESS = 2
-ENGINE_TOML = """[engine]
-token_buckets = [8, 64]
-max_seqs = 8
+ENGINE_SETTINGS = """max_seqs = 8
 num_pages = 256
 page_size = 8
 compile_guard = "raise"
 """
+ENGINE_TOML = "[engine]\ntoken_buckets = [8, 64]\n" + ENGINE_SETTINGS
 # For the groups that only have to start and fail: one bucket, no adapters or processor, so each
 # process's warm-up is one small program, and one line long enough (ignore_eos) to outlast the fault.
-LIGHT_ENGINE_TOML = ENGINE_TOML.replace("token_buckets = [8, 64]", "token_buckets = [8]")
+LIGHT_ENGINE_TOML = "[engine]\ntoken_buckets = [8]\n" + ENGINE_SETTINGS
 LIGHT_LINE = {"id": "long", "prompt": "1, 2, 3, 4,", "max_tokens": 200, "ignore_eos": True}
 ADAPTER_LINES = """max_adapters = 3
 adapters = ["preloaded={preloaded}", "smollm2-135m-exec"]
