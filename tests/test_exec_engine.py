@@ -161,6 +161,12 @@ def test_exec_needs_processor_slots(smollm2_llm: LLM) -> None:
         smollm2_llm.generate(["hi"], greedy(exec=True))
 
 
+def test_penalties_are_refused_with_exec(exec_llm: LLM) -> None:
+    """A program's result enters the output without being sampled, so the device counts would miss it."""
+    with pytest.raises(RequestError, match="frequency_penalty: not available with exec"):
+        exec_llm.generate(["hi"], greedy(exec=True, frequency_penalty=0.5))
+
+
 def test_audit_log_records_each_program(exec_llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
     import json
 

@@ -62,3 +62,41 @@ def test_first_step_logits_match_transformers(smollm2_llm, hf_model):
             ref = hf_model(torch.tensor([ids])).logits[0].numpy()
         np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
         assert ours[-1].argmax() == ref[-1].argmax()
+
+
+class OpenAIPenalties:
+    """OpenAI's frequency and presence penalties as a transformers logits processor (transformers has
+    none): minus frequency times each token's count in the output, minus presence if it is there."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores).scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
+def test_penalized_greedy_continuations_match_transformers(smollm2_llm, hf_model):
+    """Repetition penalty as transformers applies it, then frequency and presence (vLLM's order), in one
+    batch with a row without penalties; the long prompt is prefilled in chunks, whose rows sample nothing."""
+    from transformers.generation.logits_process import LogitsProcessorList
+
+    tok = smollm2_llm.tokenizer
+    (eos,) = tok.eos_ids
+    long_prompt = "Repeat this list back to me: " + ", ".join(["apple", "pear", "plum", "fig"] * 12)
+    cases = [(PROMPTS[1], 1.3, 0.0, 0.0), (PROMPTS[2], 1.0, 0.8, 0.4), (long_prompt, 1.0, 1.5, 0.5),
+             (PROMPTS[3], 1.0, 0.0, 0.0), (PROMPTS[4], 1.2, 0.5, 1.0)]
+    conversations = [[{"role": "user", "content": text}] for text, *_ in cases]
+    assert len(tok.encode_chat(conversations[2])) > max(smollm2_llm.config.token_buckets)
+    params = [SamplingParams(max_tokens=32, temperature=0.0, repetition_penalty=r, frequency_penalty=f,
+                             presence_penalty=p) for _, r, f, p in cases]
+    outputs = smollm2_llm.generate_chat(conversations, params)
+    for conversation, (_, r, f, p), out in zip(conversations, cases, outputs, strict=True):
+        ids = tok.encode_chat(conversation)
+        with torch.no_grad():
+            expected = hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=32,
+                do_sample=False, eos_token_id=eos, pad_token_id=eos, repetition_penalty=r,
+                logits_processor=LogitsProcessorList([OpenAIPenalties(len(ids), f, p)]))[0, len(ids):].tolist()
+        assert out.token_ids == expected, (conversation[0]["content"][:40], out.text, tok.decode(expected))

@@ -20,7 +20,7 @@ from test_kv_tiers import evict_everything
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.speculator import refill_groups
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, RequestError
 from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.weights.draft import save_draft, truncated_weights
 
@@ -101,6 +101,11 @@ def test_speculation_is_off_per_request_and_pruned_by_confidence(smollm2_llm, tr
     pruned = spec_stats(truncated_draft)[0] - before[0] - unpruned
     assert [o.token_ids for o in pruned_out] == [o.token_ids for o in expected]
     assert pruned < unpruned
+
+
+def test_penalties_are_refused_with_a_draft_model(truncated_draft):
+    with pytest.raises(RequestError, match="repetition_penalty: not available with speculative decoding"):
+        truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, repetition_penalty=1.2))
 
 
 def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2_llm, truncated_draft):

@@ -119,6 +119,8 @@ class Engine:
             runner.warmup_tiers()
         self.scheduler.tiers = runner.tiers  # and come back on a hit
         self.scheduler.write_pages = self._write_restored_pages
+        self.scheduler.claim = self._claim_penalty_slot
+        self.scheduler.on_release = self._release_penalty_slot
         store = runner.tiers.store if runner.tiers is not None else None
         self._publisher = PagePublisher(runner, store, self.cfg.page_size, self.stats) if store is not None else None
         self.speculator: Speculator | None = None
@@ -216,6 +218,7 @@ class Engine:
             raise RequestError("exec_trace: full needs engine.exec_trace_entries > 0")
         if params.exec and self.speculator is not None:
             raise RequestError("exec: not available with speculative decoding (engine.draft_model)")
+        self._check_penalties(params)
         vocab = self.runner.model_cfg.vocab_size
         _check_token_ids("prompt_token_ids", prompt_ids, vocab)
         _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
@@ -232,6 +235,16 @@ class Engine:
                 f"max_tokens: the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) needs "
                 f"{pages_needed} KV pages of {self.cfg.page_size} tokens, the pool has {self.pool.capacity}"
             )
+
+    def _check_penalties(self, params: SamplingParams) -> None:
+        if not params.penalized:
+            return
+        field = next(name for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                                            ("presence_penalty", 0.0)) if getattr(params, name) != off)
+        if self.speculator is not None:
+            raise RequestError(f"{field}: not available with speculative decoding (engine.draft_model)")
+        if params.exec:
+            raise RequestError(f"{field}: not available with exec (a program's result is not counted)")
 
     def _check_handoff(self, request: Request) -> None:
         """The fields of disaggregated prefill and decode (engine/disagg.py)."""
@@ -270,6 +283,7 @@ class Engine:
         step, self._inflight = self._inflight, None
         for chunk in step.chunks if step is not None else ():
             if chunk.samples:
+                chunk.seq.penalty_loaded = False  # the step counted its sample: reloaded before the next
                 chunk.seq.inflight -= 1
                 chunk.seq.num_computed = min(chunk.seq.num_computed, chunk.seq.num_tokens - 1)
 
@@ -541,6 +555,7 @@ class Engine:
     def _launch(self, chunks: list[ScheduledChunk]) -> _InflightStep:
         """Builds and dispatches one step; the sequences' progress counts it from now on."""
         previous = self._inflight.result if self._inflight is not None else None
+        self._load_penalty_slots(chunks)
         batch = self._build_batch(chunks)
         result = self.runner.dispatch(batch, previous)
         for row, chunk in enumerate(chunks):
@@ -582,6 +597,7 @@ class Engine:
         batch.logits_rows[:rows] = ends - 1
         batch.adapters[:total] = np.repeat(np.array([seq.adapter_slot for seq in seqs], np.int32), counts)
         self._fill_sampling_rows(batch, 0, seqs, [seq.num_generated for seq in seqs])
+        self._fill_penalties(batch, chunks)
         # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
         batch.seq_rows[total:] = rows - 1
         batch.positions[total:] = 0
@@ -623,6 +639,42 @@ class Engine:
             banned += self._exec_banned(p)
             if banned:
                 batch.banned[row, : len(banned)] = banned
+
+    # -- penalties -----------------------------------------------------------------------------
+    def _claim_penalty_slot(self, seq: Sequence) -> bool:
+        """On admission, a slot for a sequence with penalties; False while none is free (engines that
+        share a runner share its max_seqs slots)."""
+        if not seq.params.penalized or seq.penalty_slot is not None:
+            return True
+        seq.penalty_slot = self.runner.acquire_penalty_slot()
+        return seq.penalty_slot is not None
+
+    def _load_penalty_slots(self, chunks: list[ScheduledChunk]) -> None:
+        """Loads the counts of each scheduled sequence whose slot does not hold them yet (just admitted,
+        or its step in flight was discarded): the host knows all its ids then, none is in flight."""
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.penalty_slot is not None and not seq.penalty_loaded:
+                assert seq.inflight == 0, "counts are loaded only when the host knows every id"
+                self.runner.load_penalties(seq.penalty_slot, seq.prompt_ids, seq.output_ids)
+                seq.penalty_loaded = True
+
+    def _release_penalty_slot(self, seq: Sequence) -> None:
+        if seq.penalty_slot is not None:
+            self.runner.release_penalty_slot(seq.penalty_slot)
+            seq.penalty_slot, seq.penalty_loaded = None, False
+
+    @staticmethod
+    def _fill_penalties(batch: HostBatch, chunks: list[ScheduledChunk]) -> None:
+        """The rows whose sample is kept and that use penalties: their slot (where the step counts the
+        sample) and settings. Other rows keep -1: nothing counted, logits unchanged."""
+        for row, chunk in enumerate(chunks):
+            p = chunk.seq.params
+            if chunk.samples and chunk.seq.penalty_slot is not None:
+                batch.penalty_slot[row] = chunk.seq.penalty_slot
+                batch.repetition_penalty[row] = p.repetition_penalty
+                batch.frequency_penalty[row] = p.frequency_penalty
+                batch.presence_penalty[row] = p.presence_penalty
 
     def _exec_banned(self, params: SamplingParams) -> list[int]:
         """Exec control ids a request may not sample: result and trap markers always, exec markers with exec off."""

@@ -10,7 +10,8 @@ from jaxinfer.errors import RequestError
 MAX_SEED = 2**32 - 1
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 8  # with the model's EOS ids, they must fit the sampler's banned-id slots
-MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread at every token
+MAX_STOPS, MAX_STOP_CHARS = 16, 256
+MAX_REPETITION_PENALTY = 100.0  # stop strings are searched on the engine thread at every token
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # Penalties as vLLM defines them (engine/penalties.py): 1 and 0 are off.
+    repetition_penalty: float = 1.0  # prompt and output tokens: positive logits / r, negative * r
+    frequency_penalty: float = 0.0  # minus this times the token's count in the output
+    presence_penalty: float = 0.0  # minus this if the output has the token
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -45,6 +50,11 @@ class SamplingParams:
         object.__setattr__(self, "exec_files", _list_field("exec_files", self.exec_files))
         self._check()
 
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the repetition, frequency and presence penalties is on."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
     def _check(self) -> None:
         for name in ("ignore_eos", "logprobs", "exec"):
             _bool_field(name, getattr(self, name))
@@ -54,6 +64,9 @@ class SamplingParams:
         _float_field("temperature", self.temperature, low=0.0, high=100.0)
         _float_field("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
         _float_field("min_p", self.min_p, low=0.0, high=1.0)
+        _float_field("repetition_penalty", self.repetition_penalty, low=0.0, high=MAX_REPETITION_PENALTY, low_open=True)
+        _float_field("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _float_field("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
         if self.seed is not None:
             _int_field("seed", self.seed, low=0, high=MAX_SEED)
         if self.num_draft_tokens is not None:

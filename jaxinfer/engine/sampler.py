@@ -1,5 +1,7 @@
 """On-device sampling: greedy, temperature, top-k, top-p, min-p, banned ids, per-request seeds, logprobs.
 
+Repetition, frequency and presence penalties change the logits first (engine/penalties.py).
+
 Each row draws with the key `fold_in(key(seed), n)` where n is how many tokens the request has
 generated so far, so a request's samples depend only on its seed and its own history, never on
 which other requests share the batch.
@@ -31,10 +33,14 @@ class SamplingInputs:
 MAX_BANNED = 16
 
 
-def sample(logits: jax.Array, params: SamplingInputs) -> tuple[jax.Array, jax.Array]:
-    """logits [S, V] float32 -> (token ids [S] int32, logprob of each under the raw model [S])."""
+def sample(logits: jax.Array, params: SamplingInputs, penalized: jax.Array | None = None
+           ) -> tuple[jax.Array, jax.Array]:
+    """logits [S, V] float32 -> (token ids [S] int32, logprob of each under the raw model [S]).
+
+    `penalized`: the logits with repetition, frequency and presence penalties applied
+    (engine/penalties.py), which the tokens are drawn from; the logprobs stay the raw model's."""
     logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logits = _ban(logits, params.banned)
+    logits = _ban(logits if penalized is None else penalized, params.banned)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     all_greedy = jnp.all(params.temperature <= 0.0)
     tokens = lax.cond(all_greedy, lambda: greedy, lambda: _sample_rows(logits, params, greedy))

@@ -57,6 +57,10 @@ class Scheduler:
         # Writes restored pages into their device pages (set by the engine): called as soon as they are
         # allocated, after the pages those allocations evicted are copied out.
         self.write_pages: Callable[[list[tuple[int, HostPage | np.ndarray]]], None] | None = None
+        # What the engine gives a sequence besides pages (a penalty slot): `claim` on admission (False: it
+        # waits), `on_release` whenever it gives its pages back (finished, preempted, or not admitted).
+        self.claim: Callable[[Sequence], bool] = lambda seq: True
+        self.on_release: Callable[[Sequence], None] = lambda seq: None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -141,6 +145,10 @@ class Scheduler:
             if seq.inflight or seq.paused or self._exec_capped(seq) or not self._attach_prefix(seq):
                 deferred.append(seq)
                 continue
+            if not self.claim(seq):
+                self._release(seq)  # the prefix pages it just took
+                deferred.append(seq)
+                continue
             count = min(seq.num_tokens - seq.num_computed, budget)
             if not self._pages_for(seq, seq.num_computed + count):
                 self._release(seq)
@@ -179,6 +187,7 @@ class Scheduler:
         log.info("preempted request %d (%d tokens to recompute)", victim.index, victim.num_tokens)
 
     def _release(self, seq: Sequence) -> None:
+        self.on_release(seq)
         self.pool.free(seq.pages)
         seq.pages, seq.page_keys, seq.num_computed, seq.published_pages = [], [], 0, 0
         for key in seq.pending_keys:

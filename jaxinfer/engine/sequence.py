@@ -48,6 +48,8 @@ class Sequence:
     exec_slot: int | None = None  # the processor slot running it
     exec_discard: int = 0  # in-flight samples to drop: they were drawn before the program's result
     adapter: AdapterInfo | None = None  # the LoRA adapter it runs with (counted in its `users` until released)
+    penalty_slot: int | None = None  # its row of the runner's penalty counts, while running with penalties
+    penalty_loaded: bool = False  # whether that row holds its ids (else it is loaded before its next step)
 
     @property
     def adapter_slot(self) -> int:

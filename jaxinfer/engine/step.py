@@ -31,6 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
+from jaxinfer.engine.penalties import PenaltyInputs, count_sampled, load_row, penalize
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
@@ -54,6 +55,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
     sampling: SamplingInputs
+    penalties: PenaltyInputs
     adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
 
 
@@ -75,6 +77,10 @@ class HostBatch:
     seed: np.ndarray
     step: np.ndarray
     banned: np.ndarray
+    penalty_slot: np.ndarray
+    repetition_penalty: np.ndarray
+    frequency_penalty: np.ndarray
+    presence_penalty: np.ndarray
     adapters: np.ndarray
 
     @property
@@ -89,7 +95,9 @@ class HostBatch:
         sampling = SamplingInputs(
             self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step, self.banned
         )
-        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, self.adapters)
+        penalties = PenaltyInputs(self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
+                                  self.presence_penalty)
+        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, penalties, self.adapters)
 
     def packed(self) -> PackedInputs:
         """The arrays as one int32 buffer: one host-to-device copy per step instead of one per array."""
@@ -140,20 +148,21 @@ class StepResult:
         return tokens[: self.rows], logprobs[: self.rows]
 
 
-def _step(graphdef, state, caches, prev_tokens: jax.Array, packed: PackedInputs, machine=None, code=None, *,
-          cache_shardings, exec_fn=None):
+def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs, machine=None,
+          code=None, *, cache_shardings, counts_sharding, exec_fn=None):
     inputs = packed.unpack()
     model = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = model(ids, caches, inputs.meta, inputs.adapters)
     caches = keep_shardings(caches, cache_shardings)
     logits = model.logits(hidden[inputs.logits_rows], inputs.adapters[inputs.logits_rows])
-    tokens, logprobs = sample(logits, inputs.sampling)
+    tokens, logprobs = sample(logits, inputs.sampling, penalize(logits, counts, inputs.penalties))
+    counts = jax.lax.with_sharding_constraint(count_sampled(counts, inputs.penalties.slot, tokens), counts_sharding)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
     if exec_fn is None:
-        return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+        return caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
     machine, exec_report = exec_fn(machine, code)  # the processor's slots advance in the same step
-    return caches, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), machine, exec_report
+    return caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), machine, exec_report
 
 
 def keep_shardings(caches, shardings):
@@ -203,6 +212,12 @@ class ModelRunner:
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.no_tokens = to_devices(np.zeros(cfg.max_seqs, np.int32), self.replicated)
         self.no_logprobs = to_devices(np.zeros(cfg.max_seqs, np.float32), self.replicated)
+        # Token counts of the sequences that use penalties (engine/penalties.py): one row per running
+        # sequence at most, so a slot is always free for the next one.
+        self.penalty_counts = jax.jit(lambda: jnp.zeros((cfg.max_seqs, model_cfg.vocab_size), jnp.int32),
+                                      out_shardings=self.replicated)()
+        self.free_penalty_slots = list(range(cfg.max_seqs - 1, -1, -1))
+        self._load_penalties_fn = jax.jit(load_row, donate_argnums=(0,), out_shardings=self.replicated)
         exec_steps = cfg.exec_steps_on(mesh.devices.flat[0].platform)
         self.exec_unit = (ExecUnit(cfg.exec_machine_shape, exec_steps, self.replicated)
                           if cfg.exec_slots else None)
@@ -210,9 +225,10 @@ class ModelRunner:
             self.exec_unit.replicate = self._replicated
         exec_fn = self.exec_unit.step_function if self.exec_unit is not None else None
         self.cache_shardings = jax.tree.map(lambda x: x.sharding, self.caches)
-        self._jitted = jax.jit(functools.partial(_step, cache_shardings=self.cache_shardings, exec_fn=exec_fn),
+        self._jitted = jax.jit(functools.partial(_step, cache_shardings=self.cache_shardings,
+                                                 counts_sharding=self.replicated, exec_fn=exec_fn),
                                static_argnums=0,
-                               donate_argnums=(2, 5) if exec_fn is not None else (2,))
+                               donate_argnums=(2, 3, 6) if exec_fn is not None else (2, 3))
         self._export_pages = functools.partial(_export, model.kv_layout)
         self._export_fn = jax.jit(self._export_pages)
         self._import_fn = jax.jit(functools.partial(_import, model.kv_layout), donate_argnums=(0,),
@@ -279,10 +295,32 @@ class ModelRunner:
             self.install_adapter(fields["name"], fields["slot"], Path(fields["path"]), weights)
         elif method == "unload_adapter":
             self._unload(fields["name"])
+        elif method == "load_penalties":
+            self._load_penalties(fields["slot"], arrays["ids"], fields["num_prompt"])
         elif method.startswith("exec_") and self.exec_unit is not None:
             self.exec_unit.apply_call(method, fields, arrays)
         else:
             raise ValueError(f"control channel: unknown call {method!r}")
+
+    # -- penalty counts ------------------------------------------------------------------------
+    def acquire_penalty_slot(self) -> int | None:
+        return self.free_penalty_slots.pop() if self.free_penalty_slots else None
+
+    def release_penalty_slot(self, slot: int) -> None:
+        self.free_penalty_slots.append(slot)
+
+    def load_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
+        """Sets a slot's counts to those of a sequence's ids (before the first step that samples it)."""
+        ids = np.full(self.max_pages_per_seq * self.cfg.page_size, -1, np.int32)
+        ids[: len(prompt_ids)] = prompt_ids
+        ids[len(prompt_ids) : len(prompt_ids) + len(output_ids)] = output_ids
+        self._replicated(lambda: self._load_penalties(slot, ids, len(prompt_ids)), "load_penalties",
+                         {"slot": slot, "num_prompt": len(prompt_ids)}, {"ids": ids})
+
+    def _load_penalties(self, slot: int, ids: np.ndarray, num_prompt: int) -> None:
+        scalars = to_devices((np.int32(slot), np.int32(num_prompt)), self.replicated)
+        self.penalty_counts = self._load_penalties_fn(self.penalty_counts, scalars[0], to_devices(ids, self.replicated),
+                                                      scalars[1])
 
     def _adapter_slots(self) -> AdapterSlots:
         if self.adapters is None:
@@ -323,6 +361,10 @@ class ModelRunner:
             seed=np.zeros(rows, np.uint32),
             step=np.zeros(rows, np.int32),
             banned=np.full((rows, MAX_BANNED), -1, np.int32),
+            penalty_slot=np.full(rows, -1, np.int32),
+            repetition_penalty=np.ones(rows, np.float32),
+            frequency_penalty=np.zeros(rows, np.float32),
+            presence_penalty=np.zeros(rows, np.float32),
             adapters=zeros_t.copy(),
         )
 
@@ -336,7 +378,8 @@ class ModelRunner:
     def _compile(self, bucket: int) -> jax.stages.Compiled:
         start = time.perf_counter()
         lowered = self._jitted.lower(
-            self.graphdef, self.state, self.caches, self.no_tokens, self.abstract_inputs(bucket), *self._exec_args()
+            self.graphdef, self.state, self.caches, self.penalty_counts, self.no_tokens, self.abstract_inputs(bucket),
+            *self._exec_args()
         )
         executable = lowered.compile()
         log.info("compiled step for %d tokens in %.1fs", bucket, time.perf_counter() - start)
@@ -347,6 +390,8 @@ class ModelRunner:
         start = time.perf_counter()
         if self.exec_unit is not None:
             self.exec_unit.warmup()
+        if not self.warmed_up:  # compiles the count loader (slot 0 is free before any request)
+            self._load_penalties(0, np.full(self.max_pages_per_seq * self.cfg.page_size, -1, np.int32), 0)
         if self.spec is not None:
             self.spec.warmup()
         else:
@@ -394,11 +439,11 @@ class ModelRunner:
                 number: int) -> StepResult:
         inputs = to_devices(batch.packed(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
-        outputs = executable(self.state, self.caches, prev_tokens, inputs, *self._exec_args())
-        self.caches, tokens, logprobs = outputs[:3]
+        outputs = executable(self.state, self.caches, self.penalty_counts, prev_tokens, inputs, *self._exec_args())
+        self.caches, self.penalty_counts, tokens, logprobs = outputs[:4]
         exec_report = None
         if self.exec_unit is not None:
-            self.exec_unit.state, exec_report = outputs[3:]
+            self.exec_unit.state, exec_report = outputs[4:]
             for part in exec_report:
                 part.copy_to_host_async()
         tokens.copy_to_host_async()
