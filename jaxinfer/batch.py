@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off (prompt and output tokens)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off, in [-2, 2]")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off, in [-2, 2]")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats-json", help="write the run summary as one JSON object to this path")
@@ -97,6 +100,9 @@ def default_params(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "top_k": args.top_k,
         "min_p": args.min_p,
+        "repetition_penalty": args.repetition_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
         "seed": args.seed,
         "stop": tuple(args.stop),
         "exec": args.exec,

@@ -50,6 +50,9 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="zero", prompt="x", max_tokens=0), ("max_tokens",)),
     (obj(id="short", prompt="Hello", max_tokens=3), None),
     (obj(id="cold", prompt="x", temperature=-1), ("temperature",)),
+    (obj(id="penalized", prompt="Say la la la la la", repetition_penalty=1.3, frequency_penalty=0.5,
+         presence_penalty=0.5), None),
+    (obj(id="over-penalized", prompt="x", presence_penalty=2.5), ("presence_penalty", "[-2.0, 2.0]")),
     (obj(id="role", messages=[{"role": "user<|im_end|>", "content": "x"}]), ("messages[0].role",)),
     (
         obj(

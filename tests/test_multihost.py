@@ -54,6 +54,8 @@ LINES = [
     {"id": "capital", "prompt": "What is the capital of France?", "max_tokens": 12},
     {"id": "colors", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16},
     {"id": "count", "prompt": "1, 2, 3, 4,", "max_tokens": 20},
+    {"id": "count-penalized", "prompt": "1, 2, 3, 4,", "max_tokens": 20, "repetition_penalty": 1.3,
+     "frequency_penalty": 0.5},  # the leader sends the counts it loads, as it sends adapter loads
     {"id": "story", "messages": [{"role": "user", "content": "Tell me a very long story about a fox."}],
      "max_tokens": 40},
     {"id": "adapted-preloaded", "prompt": "1, 2, 3, 4,", "max_tokens": 16, "adapter": "preloaded"},
@@ -181,6 +183,7 @@ def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups)
     assert token_ids(group.output) == expected
     assert expected["adapted-preloaded"] != expected["count"][:16]  # the adapters changed the text
     assert expected["adapted-line"] != expected["colors"]
+    assert expected["count-penalized"] != expected["count"]
     answer = json.loads(next(line for line in group.output.read_text().splitlines() if '"program"' in line))
     assert "<|result|>4812477021" in answer["text"], answer["text"]  # 48213 * 99817, run in lockstep
     follower_log = group.log(1)  # the follower wrote both adapters from the tensors the leader sent

@@ -71,6 +71,16 @@ def test_streamed_text_equals_generate(smollm2_llm, server, client):
         assert all(d.finish_reason == pb.FINISH_REASON_UNSPECIFIED for d in deltas[:-1])
 
 
+def test_penalties_travel_with_the_request(smollm2_llm, client):
+    prompt = "Say la la la la la la"
+    penalties = dict(repetition_penalty=1.5, frequency_penalty=1.0, presence_penalty=1.0)
+    want = smollm2_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0, **penalties))[0]
+    plain = smollm2_llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0))[0]
+    assert want.token_ids != plain.token_ids  # else this would not show the fields arrived
+    text, last = client.generate(prompt, max_tokens=16, temperature=0.0, **penalties)
+    assert text == want.text and last.usage.completion_tokens == len(want.token_ids)
+
+
 def test_stop_strings_are_never_streamed(smollm2_llm, client):
     free = smollm2_llm.generate(["Count: one, two,"], SamplingParams(max_tokens=10, temperature=0.0))[0]
     stop = free.text[4:7]
@@ -87,6 +97,8 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(text="hi", sampling=pb.SamplingParams(max_tokens=0)), "max_tokens"),
         (dict(text="hi", sampling=pb.SamplingParams(temperature=-1)), "temperature"),
         (dict(text="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
+        (dict(text="hi", sampling=pb.SamplingParams(repetition_penalty=0)), "repetition_penalty: must be in (0.0"),
+        (dict(text="hi", sampling=pb.SamplingParams(frequency_penalty=-3)), "frequency_penalty"),
         (dict(token_ids=pb.TokenIds(ids=[1, 10**9])), "prompt_token_ids"),
         (dict(parts=pb.PromptParts(parts=[pb.PromptPart(special="<|nope|>")])), "nope"),
         (dict(text="word " * 9000), "prompt"),

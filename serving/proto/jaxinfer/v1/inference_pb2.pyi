@@ -53,7 +53,7 @@ class Messages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "num_draft_tokens", "exec", "exec_max_instructions", "exec_files", "exec_session", "exec_trace", "exec_timeout_seconds", "exec_memory_pages", "exec_max_trace_tokens")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "num_draft_tokens", "exec", "exec_max_instructions", "exec_files", "exec_session", "exec_trace", "exec_timeout_seconds", "exec_memory_pages", "exec_max_trace_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,9 @@ class SamplingParams(_message.Message):
     EXEC_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXEC_MEMORY_PAGES_FIELD_NUMBER: _ClassVar[int]
     EXEC_MAX_TRACE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -94,7 +97,10 @@ class SamplingParams(_message.Message):
     exec_timeout_seconds: float
     exec_memory_pages: int
     exec_max_trace_tokens: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., exec: _Optional[bool] = ..., exec_max_instructions: _Optional[int] = ..., exec_files: _Optional[_Iterable[str]] = ..., exec_session: _Optional[str] = ..., exec_trace: _Optional[str] = ..., exec_timeout_seconds: _Optional[float] = ..., exec_memory_pages: _Optional[int] = ..., exec_max_trace_tokens: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., exec: _Optional[bool] = ..., exec_max_instructions: _Optional[int] = ..., exec_files: _Optional[_Iterable[str]] = ..., exec_session: _Optional[str] = ..., exec_trace: _Optional[str] = ..., exec_timeout_seconds: _Optional[float] = ..., exec_memory_pages: _Optional[int] = ..., exec_max_trace_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "chat", "token_ids", "parts", "sampling", "request_id", "adapter")
