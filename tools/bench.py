@@ -6,6 +6,7 @@
     python tools/bench.py host                      # host share of the step wall time at batch 32
     python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
     python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
+    python tools/bench.py penalties                 # batch 32 with no, half and all rows penalized
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
     python tools/bench.py spec                      # speculative decoding vs none, batch 1 and 8, 128 new tokens
@@ -216,6 +217,31 @@ def bench_host(args: argparse.Namespace, llm=None) -> None:
                   new_tokens=args.out_len, tok_per_s=round(new / seconds, 1), **step_summary(engine)))
 
 
+# -- penalties: what the device counts cost a batch ------------------------------------------------
+def bench_penalties(args: argparse.Namespace, llm=None) -> None:
+    """Batch `--batch-size` of `--in-len` tokens, `--out-len` new: no row, half the rows and every row with
+    repetition 1.1, frequency 0.5 and presence 0.5 penalties (overlap on, greedy)."""
+    llm = llm or load_llm(args)
+    prompts = random_prompts(llm, [args.in_len] * args.batch_size, seed=6)
+    penalized = dataclasses.replace(exact(args.out_len), repetition_penalty=1.1, frequency_penalty=0.5,
+                                    presence_penalty=0.5)
+    warm = dataclasses.replace(penalized, max_tokens=2, min_tokens=2)
+    fresh_engine(llm, prefix_caching=False).generate([llm.request(p, warm) for p in prompts])
+    rates: dict[float, list[float]] = {}
+    for share in (0.0, 0.5, 1.0, 0.0):  # none first and last: the drift of the machine shows
+        rows = round(share * len(prompts))
+        params = [penalized] * rows + [exact(args.out_len)] * (len(prompts) - rows)
+        engine = fresh_engine(llm, prefix_caching=False)
+        seconds, outputs = timed_generate(engine, [llm.request(p, q) for p, q in zip(prompts, params, strict=True)])
+        new = sum(len(o.token_ids) for o in outputs)
+        rates.setdefault(share, []).append(new / seconds)
+        emit(dict(what="jaxinfer_penalties", penalized_rows=rows, batch=args.batch_size, in_len=args.in_len,
+                  new_tokens=args.out_len, tok_per_s=round(new / seconds, 1), **step_summary(engine)))
+    none = float(np.mean(rates[0.0]))
+    emit(dict(what="ratio", workload="penalties", half_over_none=round(rates[0.5][0] / none, 3),
+              all_over_none=round(rates[1.0][0] / none, 3)))
+
+
 # -- gemm: the matmul ceiling of this backend on SmolLM2's shapes ------------------------------------
 def bench_gemm(args: argparse.Namespace) -> None:
     """30 layers of SmolLM2's MLP (576 -> 2x1536 -> 576) as one jitted chain, at several row counts."""
@@ -247,28 +273,36 @@ def bench_gemm(args: argparse.Namespace) -> None:
 
 # -- sampler: the on-device sampler alone, without filters and with each filter ---------------------
 def bench_sampler(args: argparse.Namespace) -> None:
-    """ms per jitted `sample()` call on random logits at temperature 0.8: no filter, then each filter alone."""
+    """ms per jitted `sample()` call on random logits at temperature 0.8: no filter, each filter alone, penalties."""
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.engine.penalties import PenaltyInputs, penalize
     from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
 
-    fn = jax.jit(sample)
-    settings = [dict(), dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9)]
+    @jax.jit
+    def fn(logits, params, counts, penalties):
+        return sample(logits, params, penalize(logits, counts, penalties))
+
+    settings = [dict(), dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9),
+                dict(penalties=True)]  # every row: repetition 1.1, frequency and presence 0.5
     for rows in args.rows:
         logits = jax.random.normal(jax.random.key(0), (rows, args.vocab)) * 3
+        counts = jax.random.randint(jax.random.key(1), (rows, args.vocab), 0, 2, jnp.int32)
         for setting in settings:
             params = SamplingInputs(
                 temperature=jnp.full(rows, 0.8), top_k=jnp.full(rows, setting.get("top_k", 0), jnp.int32),
                 top_p=jnp.full(rows, setting.get("top_p", 1.0)), min_p=jnp.full(rows, setting.get("min_p", 0.0)),
                 seed=jnp.arange(rows, dtype=jnp.uint32), step=jnp.zeros(rows, jnp.int32),
                 banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
-            fn(logits, params)[0].block_until_ready()
+            slots = jnp.arange(rows, dtype=jnp.int32) if setting.get("penalties") else jnp.full(rows, -1, jnp.int32)
+            penalties = PenaltyInputs(slots, jnp.full(rows, 1.1), jnp.full(rows, 0.5), jnp.full(rows, 0.5))
+            fn(logits, params, counts, penalties)[0].block_until_ready()
             start = time.perf_counter()
             for _ in range(args.repeats):
-                fn(logits, params)[0].block_until_ready()
+                fn(logits, params, counts, penalties)[0].block_until_ready()
             emit(dict(what="sampler", backend=jax.default_backend(), rows=rows, vocab=args.vocab,
-                      **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, **setting},
+                      **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, "penalties": False, **setting},
                       ms=round((time.perf_counter() - start) / args.repeats * 1e3, 2)))
 
 
@@ -536,7 +570,7 @@ def bench_start(args: argparse.Namespace) -> None:
         jax.clear_caches()  # else `lower` finds the warm-up's trace
         lower_start = time.perf_counter()
         for bucket in llm.config.token_buckets:
-            runner._jitted.lower(runner.graphdef, runner.state, runner.caches, runner.no_tokens,
+            runner._jitted.lower(runner.graphdef, runner.state, runner.caches, runner.penalty_counts, runner.no_tokens,
                                  runner.abstract_inputs(bucket), *runner._exec_args())
         lower = time.perf_counter() - lower_start
         emit(dict(what="engine_start", repeat=repeat, start_s=round(total, 2), load_s=round(llm.load_seconds, 2),
@@ -592,7 +626,7 @@ def main() -> None:
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
                                                  epilog=processor_bench.ISSUE_SCALE))
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
-                 "tiers": bench_tiers, "disagg": bench_disagg, "all": bench_all}
+                 "tiers": bench_tiers, "disagg": bench_disagg, "penalties": bench_penalties, "all": bench_all}
     for name in workloads:
         w = sub.add_parser(name)
         w.add_argument("--requests", type=int, default=64)
