@@ -203,6 +203,9 @@ class EngineConfig:
     page_size: int = 16
     num_pages: int = 1024  # including the null page 0
     max_seqs: int = 32  # sequences in flight at once
+    # Sequences with penalties running at once: each holds a row of vocab int32 token counts on every
+    # device (-1: max_seqs; 0: penalties refused). Others wait for a row; none with a draft model.
+    max_penalized_seqs: int = -1
     max_model_len: int = 0  # 0: the model's context length, capped at 8192
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu | pallas_tpu | ragged_reference
@@ -293,6 +296,9 @@ class EngineConfig:
         if not 0 <= self.exec_slots <= 1024:
             raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
         self._check_lora()
+        if not -1 <= self.max_penalized_seqs <= self.max_seqs:
+            raise ConfigError(f"engine.max_penalized_seqs must be in [-1, max_seqs = {self.max_seqs}], got "
+                              f"{self.max_penalized_seqs}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ConfigError(f"engine.attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got "
                               f"{self.attention_backend!r}")
@@ -330,6 +336,13 @@ class EngineConfig:
         """Machine iterations per engine step: the configured number, or the platform's default (an
         iteration costs about 0.1 us on the CPU, where the loop is one kernel, and 25 us on an H200)."""
         return self.exec_steps_per_step or EXEC_STEPS_BY_PLATFORM.get(platform, EXEC_STEPS_BY_PLATFORM["default"])
+
+    @property
+    def penalty_slots(self) -> int:
+        """Rows of penalty counts: none with a draft model (penalties are refused there)."""
+        if self.draft_model:
+            return 0
+        return self.max_seqs if self.max_penalized_seqs < 0 else self.max_penalized_seqs
 
     @property
     def max_tokens_per_step(self) -> int:

@@ -123,9 +123,11 @@ def test_penalized_outputs_are_the_same_batched_overlapped_preempted_and_cached(
     cached = smollm2_llm.generate(TEXTS, PENALIZED)  # the prompts' pages come from the prefix cache
     assert sum(o.usage.cached_tokens for o in cached) > 0
     engine = Engine(runner, tok, max_len)
+    victims, preempt = [], engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (victims.append((seq.params.penalized, seq.inflight)), preempt(seq))
     with engine.pool.hold(keep_free=22):  # less than the four need at once: preempted and recomputed
         preempted = engine.generate(requests())
-    assert engine.stats.preemptions > 0
+    assert (True, 1) in victims  # a penalized sequence was preempted with its newest id in flight
     assert batched == alone and [o.token_ids for o in cached] == alone and [o.token_ids for o in preempted] == alone
     assert sorted(runner.free_penalty_slots) == list(range(smollm2_llm.config.max_seqs))
 
@@ -147,15 +149,37 @@ def test_penalized_requests_wait_for_a_free_slot(smollm2_llm):
     assert engine.stats.steps >= one_at_a_time
 
 
-def test_an_aborted_penalized_request_gives_its_slot_back(smollm2_llm):
-    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len)
-    free = len(smollm2_llm.runner.free_penalty_slots)
+def test_an_aborted_penalized_request_gives_its_slot_to_the_next_while_its_step_runs(smollm2_llm):
+    """The aborted request's step, still in flight, counts into the slot; the next owner's load comes
+    after it on the device, so the next request's output is its own."""
+    runner = smollm2_llm.runner
+    expected = smollm2_llm.generate([TEXTS[3]], PENALIZED[3])[0].token_ids
+    engine = Engine(runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len)
+    free = len(runner.free_penalty_slots)
     seq = engine.add_request(smollm2_llm.request(TEXTS[0], PENALIZED[0]))
-    engine.step()
-    assert seq.penalty_slot is not None and len(smollm2_llm.runner.free_penalty_slots) == free - 1
+    for _ in range(3):
+        engine.step()
+    assert seq.penalty_slot is not None and seq.inflight and len(runner.free_penalty_slots) == free - 1
+    slot = seq.penalty_slot
     engine.abort(seq.index)
-    engine.step()
-    assert seq.penalty_slot is None and len(smollm2_llm.runner.free_penalty_slots) == free
+    assert seq.penalty_slot is None and runner.free_penalty_slots[-1] == slot
+    (output,) = engine.generate([smollm2_llm.request(TEXTS[3], PENALIZED[3])])
+    assert output.token_ids == expected and len(runner.free_penalty_slots) == free
+
+
+def test_no_penalty_slots_refuse_penalties_by_the_setting(smollm2_llm):
+    from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.step import ModelRunner
+    from jaxinfer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_penalized_seqs must be in"):
+        EngineConfig(max_seqs=8, max_penalized_seqs=9)
+    cfg = smollm2_llm.config.replace(max_penalized_seqs=0, warmup=False)
+    runner = ModelRunner(smollm2_llm.runner.model, smollm2_llm.model_config, cfg, smollm2_llm.mesh)
+    assert runner.penalty_counts.shape == (1, 1) and not runner.free_penalty_slots
+    engine = Engine(runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len)
+    with pytest.raises(RequestError, match=r"presence_penalty: .*engine.max_penalized_seqs is 0"):
+        engine.validate(smollm2_llm.request(TEXTS[0], SamplingParams(presence_penalty=0.5)))
 
 
 def test_the_device_counts_are_the_host_ids_plus_the_ids_in_flight(smollm2_llm):
@@ -167,14 +191,18 @@ def test_the_device_counts_are_the_host_ids_plus_the_ids_in_flight(smollm2_llm):
     assert len(request.prompt_ids) > max(smollm2_llm.config.token_buckets)  # prefilled in two chunks
     seq = engine.add_request(request)
     checked = 0
+    in_flight: tuple[int, int] | None = None  # (its position in the output, the id counted for it)
     while seq.finish_reason is None:
         engine.step()
         if seq.penalty_slot is None:
             continue
+        if in_flight is not None and len(seq.output_ids) > in_flight[0]:
+            assert seq.output_ids[in_flight[0]] == in_flight[1]  # the id counted early is the one sampled
         expected = np.zeros(vocab, np.int64)
         expected[sorted(set(seq.prompt_ids))] = PROMPT_BIT
         np.add.at(expected, seq.output_ids, 1)
         extra = np.asarray(runner.penalty_counts[seq.penalty_slot]) - expected
         assert (extra >= 0).all() and extra.sum() == seq.inflight, (checked, np.nonzero(extra))
+        in_flight = (len(seq.output_ids), int(np.argmax(extra))) if seq.inflight else None
         checked += 1
     assert checked >= 12 and seq.output_ids

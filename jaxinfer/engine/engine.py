@@ -245,6 +245,8 @@ class Engine:
             raise RequestError(f"{field}: not available with speculative decoding (engine.draft_model)")
         if params.exec:
             raise RequestError(f"{field}: not available with exec (a program's result is not counted)")
+        if not self.cfg.penalty_slots:
+            raise RequestError(f"{field}: this engine keeps no token counts (engine.max_penalized_seqs is 0)")
 
     def _check_handoff(self, request: Request) -> None:
         """The fields of disaggregated prefill and decode (engine/disagg.py)."""
@@ -390,6 +392,9 @@ class Engine:
         if self.executor is not None and (self.executor.pending or self.executor.busy):
             return
         if self.has_unfinished() and not self.scheduler.wait_for_store():
+            if not self.runner.free_penalty_slots and any(s.params.penalized for s in self.scheduler.waiting):
+                raise RuntimeError("no progress possible: requests with penalties wait for a slot, and every one "
+                                   "of engine.max_penalized_seqs is held by another engine on this runner")
             raise RuntimeError("no progress possible: the KV page pool is too small for one sequence")
 
     def _account(self, started: float, waited: float) -> None:
@@ -652,6 +657,8 @@ class Engine:
     def _load_penalty_slots(self, chunks: list[ScheduledChunk]) -> None:
         """Loads the counts of each scheduled sequence whose slot does not hold them yet (just admitted,
         or its step in flight was discarded): the host knows all its ids then, none is in flight."""
+        if not self.runner.penalty_slots_in_use:  # the common case costs no walk over the batch
+            return
         for chunk in chunks:
             seq = chunk.seq
             if seq.penalty_slot is not None and not seq.penalty_loaded:
@@ -664,10 +671,11 @@ class Engine:
             self.runner.release_penalty_slot(seq.penalty_slot)
             seq.penalty_slot, seq.penalty_loaded = None, False
 
-    @staticmethod
-    def _fill_penalties(batch: HostBatch, chunks: list[ScheduledChunk]) -> None:
+    def _fill_penalties(self, batch: HostBatch, chunks: list[ScheduledChunk]) -> None:
         """The rows whose sample is kept and that use penalties: their slot (where the step counts the
         sample) and settings. Other rows keep -1: nothing counted, logits unchanged."""
+        if not self.runner.penalty_slots_in_use:
+            return
         for row, chunk in enumerate(chunks):
             p = chunk.seq.params
             if chunk.samples and chunk.seq.penalty_slot is not None:

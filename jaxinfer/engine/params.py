@@ -10,8 +10,8 @@ from jaxinfer.errors import RequestError
 MAX_SEED = 2**32 - 1
 MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 8  # with the model's EOS ids, they must fit the sampler's banned-id slots
-MAX_STOPS, MAX_STOP_CHARS = 16, 256
-MAX_REPETITION_PENALTY = 100.0  # stop strings are searched on the engine thread at every token
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread at every token
+MAX_REPETITION_PENALTY = 100.0
 
 
 @dataclass(frozen=True)

@@ -212,11 +212,12 @@ class ModelRunner:
         self.replicated = NamedSharding(mesh, PartitionSpec())
         self.no_tokens = to_devices(np.zeros(cfg.max_seqs, np.int32), self.replicated)
         self.no_logprobs = to_devices(np.zeros(cfg.max_seqs, np.float32), self.replicated)
-        # Token counts of the sequences that use penalties (engine/penalties.py): one row per running
-        # sequence at most, so a slot is always free for the next one.
-        self.penalty_counts = jax.jit(lambda: jnp.zeros((cfg.max_seqs, model_cfg.vocab_size), jnp.int32),
-                                      out_shardings=self.replicated)()
-        self.free_penalty_slots = list(range(cfg.max_seqs - 1, -1, -1))
+        # Token counts of the sequences that use penalties (engine/penalties.py), a row per slot. With no
+        # slots a 1 x 1 stand-in keeps the step's signature: every row's slot is -1, nothing is read.
+        slots = cfg.penalty_slots
+        shape = (slots, model_cfg.vocab_size) if slots else (1, 1)
+        self.penalty_counts = jax.jit(lambda: jnp.zeros(shape, jnp.int32), out_shardings=self.replicated)()
+        self.free_penalty_slots = list(range(slots - 1, -1, -1))
         self._load_penalties_fn = jax.jit(load_row, donate_argnums=(0,), out_shardings=self.replicated)
         exec_steps = cfg.exec_steps_on(mesh.devices.flat[0].platform)
         self.exec_unit = (ExecUnit(cfg.exec_machine_shape, exec_steps, self.replicated)
@@ -306,6 +307,10 @@ class ModelRunner:
     def acquire_penalty_slot(self) -> int | None:
         return self.free_penalty_slots.pop() if self.free_penalty_slots else None
 
+    @property
+    def penalty_slots_in_use(self) -> int:
+        return self.cfg.penalty_slots - len(self.free_penalty_slots)
+
     def release_penalty_slot(self, slot: int) -> None:
         self.free_penalty_slots.append(slot)
 
@@ -390,7 +395,7 @@ class ModelRunner:
         start = time.perf_counter()
         if self.exec_unit is not None:
             self.exec_unit.warmup()
-        if not self.warmed_up:  # compiles the count loader (slot 0 is free before any request)
+        if not self.warmed_up and self.cfg.penalty_slots:  # compiles the count loader (slot 0 is free now)
             self._load_penalties(0, np.full(self.max_pages_per_seq * self.cfg.page_size, -1, np.int32), 0)
         if self.spec is not None:
             self.spec.warmup()
