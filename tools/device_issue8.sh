@@ -16,7 +16,7 @@ fi
 OUT=${OUT:-/tmp/issue8}
 mkdir -p "$OUT"
 # step SECONDS LOG command...: one measurement, cut off at SECONDS so that a hang or a slow compile
-# cannot spend the rest of the session's device time (the steps' limits sum to 535 s of the 560)
+# cannot spend the rest of the session's device time (the steps' limits sum to 545 s of the 560)
 step() {
   local seconds=$1 log=$2
   shift 2
@@ -33,8 +33,8 @@ step 200 jaxinfer_shape.jsonl python3 tools/bench.py --no-peer shape --shape lla
 step 75 jaxinfer_shape_reference.jsonl python3 tools/bench.py --no-peer shape --shape llama3-8b \
     --attention reference --batch 1 64 256 --offline
 step 60 hf_peer.jsonl python3 .device_carry/hf_peer.py --shape llama3-8b --device cuda --batch 1 64 256
-# the sampler alone at batch 256 over Llama-3's vocabulary: each filter's threshold searches
-step 20 sampler.jsonl python3 tools/bench.py sampler --rows 256 --repeats 3
+# the sampler alone at batch 256 over Llama-3's vocabulary: each filter's threshold searches, and the penalties
+step 30 sampler.jsonl python3 tools/bench.py sampler --rows 256 --repeats 3
 # the processor: the Pallas kernel's conformance and speed (targets: 5M instructions/s a slot, 500M/s over 256)
 step 40 spec_pallas.txt python3 -m jaxinfer.processor.spec tests/data/wasm/*.wast --loop pallas
 step 40 processor_pallas.txt python3 tools/bench.py processor --loop pallas --slots 256 \
