@@ -339,6 +339,8 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
         }
         if out.logprobs is not None:
             record["logprobs"] = out.logprobs
+        if out.top_logprobs is not None:
+            record["top_logprobs"] = [[[token, logprob] for token, logprob in top] for top in out.top_logprobs]
         lines.append(record)
     text = "".join(_json_line(r) for r in lines)
     if path == "-":

@@ -15,7 +15,7 @@ DEFAULT_MAX_TOKENS = 128
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 REASON_OF = {code: name for name, code in FINISH_REASONS.items()}
 OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-            "presence_penalty", "seed", "min_tokens", "num_draft_tokens",
+            "presence_penalty", "top_logprobs", "seed", "min_tokens", "num_draft_tokens",
             "exec_max_instructions", "exec_timeout_seconds", "exec_memory_pages", "exec_max_trace_tokens")
 
 

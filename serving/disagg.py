@@ -226,5 +226,6 @@ def finished_output(handoff: Handoff) -> RequestOutput:
                          token_ids=handoff.generated_ids, finish_reason=handoff.finish_reason,
                          usage=Usage(len(request.prompt_ids), len(handoff.generated_ids), handoff.cached_tokens),
                          logprobs=handoff.generated_logprobs if request.params.logprobs else None,
+                         top_logprobs=[[] for _ in handoff.generated_ids] if request.params.top_logprobs else None,
                          request_id=request.request_id, forged_tokens=request.forged_tokens)
 

@@ -226,7 +226,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         passed = settled(passed, self.llm.max_model_len)
         if passed.finish_reason is not None:
             out = finished_output(passed)
-            return passed.request, Delta(out.text, out.token_ids, out.logprobs or [], final=out)
+            return passed.request, Delta(out.text, out.token_ids, out.logprobs or [], final=out,
+                                         top_logprobs=out.top_logprobs or [])
         return decode_request(passed), None
 
     def _observe_latency(self, delta: Delta, started: float, last: float | None) -> float | None:
@@ -249,7 +250,10 @@ class InferenceService(pb_grpc.InferenceServicer):
     @staticmethod
     def _response(request_id: str, engine_req: Request, delta: Delta) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
-                                       logprobs=delta.logprobs, forged_tokens=engine_req.forged_tokens)
+                                       logprobs=delta.logprobs, forged_tokens=engine_req.forged_tokens,
+                                       top_logprobs=[pb.TopLogprobs(token_ids=[i for i, _ in top],
+                                                                    logprobs=[v for _, v in top])
+                                                     for top in delta.top_logprobs])
         if delta.final is not None:
             out = delta.final
             response.finish_reason = FINISH_REASONS[out.finish_reason]

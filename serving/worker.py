@@ -18,7 +18,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxinfer.engine.engine import Engine
@@ -39,6 +39,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float]
     final: RequestOutput | None = None
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with top_logprobs
     error: str | None = None
     invalid: bool = False  # the error is the request's own (INVALID_ARGUMENT), not the server's (INTERNAL)
 
@@ -246,8 +247,16 @@ class EngineWorker:
         seq = stream.seq
         tokens = seq.output_ids[stream.sent_tokens : upto]
         logprobs = seq.logprobs[stream.sent_tokens : upto]
-        stream.sent_tokens = upto
         return tokens, logprobs
+
+    @staticmethod
+    def _sent(stream: _Stream, delta: Delta) -> Delta:
+        """The delta with its tokens' alternatives (when asked for), its tokens counted as sent."""
+        upto = stream.sent_tokens + len(delta.token_ids)
+        if stream.request.params.top_logprobs:
+            delta.top_logprobs = stream.seq.top_logprobs[stream.sent_tokens : upto]
+        stream.sent_tokens = upto
+        return delta
 
     def _running_delta(self, stream: _Stream) -> Delta | None:
         tokens, logprobs = self._new_tokens(stream, len(stream.seq.output_ids))
@@ -257,7 +266,7 @@ class EngineWorker:
         cut = max(0, len(stream.pending_text) - stream.holdback)
         text, stream.pending_text = stream.pending_text[:cut], stream.pending_text[cut:]
         stream.sent_text += text
-        return Delta(text, tokens, logprobs if stream.request.params.logprobs else [])
+        return self._sent(stream, Delta(text, tokens, logprobs if stream.request.params.logprobs else []))
 
     def _final_delta(self, stream: _Stream, final: RequestOutput) -> Delta:
         tokens, logprobs = self._new_tokens(stream, len(final.token_ids))
@@ -269,7 +278,8 @@ class EngineWorker:
             pairs = enumerate(zip(sent, full, strict=False))
             common = next((i for i, (a, b) in pairs if a != b), min(len(sent), len(full)))
             text = full[common:]  # the rest from where they diverged: a client sees the difference
-        return Delta(text, tokens, logprobs if stream.request.params.logprobs else [], final=final)
+        return self._sent(stream, Delta(text, tokens, logprobs if stream.request.params.logprobs else [],
+                                        final=final))
 
     def _fail_all(self, message: str, only: Callable[[int], bool] | None = None) -> None:
         """Ends every stream (`only`: those whose request index it accepts) with `message`."""

@@ -53,6 +53,8 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="penalized", prompt="Say la la la la la", repetition_penalty=1.3, frequency_penalty=0.5,
          presence_penalty=0.5), None),
     (obj(id="over-penalized", prompt="x", presence_penalty=2.5), ("presence_penalty", "[-2.0, 2.0]")),
+    (obj(id="alternatives", prompt="The sky is", logprobs=True, top_logprobs=4, max_tokens=6), None),
+    (obj(id="alternatives-alone", prompt="x", top_logprobs=4), ("top_logprobs", "needs logprobs")),
     (obj(id="role", messages=[{"role": "user<|im_end|>", "content": "x"}]), ("messages[0].role",)),
     (
         obj(
@@ -193,8 +195,14 @@ def test_good_lines_have_text_tokens_and_usage(records, tok):
     by_line = dict(zip([n for n, _, _ in NON_BLANK], records, strict=True))
     for number, line in GOOD:
         record = by_line[number]
-        assert set(record) == {"id", "text", "token_ids", "finish_reason", "usage"}, record
+        asked = {name for name in ("logprobs", "top_logprobs") if line.get(name)}
+        assert set(record) == {"id", "text", "token_ids", "finish_reason", "usage"} | asked, record
         ids, usage = record["token_ids"], record["usage"]
+        if "top_logprobs" in asked:
+            assert len(record["logprobs"]) == len(record["top_logprobs"]) == len(ids)
+            for token, logprob, top in zip(ids, record["logprobs"], record["top_logprobs"], strict=True):
+                assert len(top) == line["top_logprobs"] and top[0][1] >= logprob - 1e-6
+                assert token not in [t for t, _ in top] or dict(top)[token] == logprob
         assert 1 <= len(ids) <= line.get("max_tokens", MAX_TOKENS)
         assert all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids)
         assert record["finish_reason"] in {"stop", "length"}

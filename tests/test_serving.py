@@ -12,6 +12,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -81,6 +82,18 @@ def test_penalties_travel_with_the_request(smollm2_llm, client):
     assert text == want.text and last.usage.completion_tokens == len(want.token_ids)
 
 
+def test_streamed_top_logprobs_come_with_their_tokens(smollm2_llm, client):
+    prompt = "The capital of France is"
+    want = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logprobs=True,
+                                                         top_logprobs=3))[0]
+    deltas = list(client.stream(prompt, max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=3))
+    assert all(len(d.top_logprobs) == len(d.token_ids) for d in deltas)
+    streamed = [top for d in deltas for top in d.top_logprobs]
+    assert [list(top.token_ids) for top in streamed] == [[t for t, _ in top] for top in want.top_logprobs]
+    np.testing.assert_allclose([list(top.logprobs) for top in streamed],
+                               [[v for _, v in top] for top in want.top_logprobs], rtol=1e-6)
+
+
 def test_stop_strings_are_never_streamed(smollm2_llm, client):
     free = smollm2_llm.generate(["Count: one, two,"], SamplingParams(max_tokens=10, temperature=0.0))[0]
     stop = free.text[4:7]
@@ -99,6 +112,8 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(text="hi", sampling=pb.SamplingParams(top_p=1.5)), "top_p"),
         (dict(text="hi", sampling=pb.SamplingParams(repetition_penalty=0)), "repetition_penalty: must be in (0.0"),
         (dict(text="hi", sampling=pb.SamplingParams(frequency_penalty=-3)), "frequency_penalty"),
+        (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=21, logprobs=True)), "top_logprobs: must be in"),
+        (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=2)), "top_logprobs: needs logprobs true"),
         (dict(token_ids=pb.TokenIds(ids=[1, 10**9])), "prompt_token_ids"),
         (dict(parts=pb.PromptParts(parts=[pb.PromptPart(special="<|nope|>")])), "nope"),
         (dict(text="word " * 9000), "prompt"),

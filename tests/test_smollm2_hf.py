@@ -64,6 +64,30 @@ def test_first_step_logits_match_transformers(smollm2_llm, hf_model):
         assert ours[-1].argmax() == ref[-1].argmax()
 
 
+def test_top_logprobs_match_transformers(smollm2_llm, hf_model):
+    """Each generated token's alternatives are the raw model's most likely ids and their logprobs at that
+    position (transformers run over the same ids), for a greedy and a sampled row in one batch."""
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=5),
+              SamplingParams(max_tokens=12, temperature=0.9, seed=4, logprobs=True, top_logprobs=20),
+              SamplingParams(max_tokens=12, temperature=0.0)]
+    outputs = smollm2_llm.generate(PROMPTS[:3], params)
+    assert outputs[2].top_logprobs is None
+    for out, p in zip(outputs[:2], params, strict=False):
+        ids = out.prompt_token_ids + out.token_ids
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+        assert len(out.top_logprobs) == len(out.token_ids)
+        for i, (token, logprob, top) in enumerate(zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)):
+            row = reference[len(out.prompt_token_ids) + i - 1]
+            ours_ids, ours_values = [t for t, _ in top], np.array([v for _, v in top])
+            assert len(top) == p.top_logprobs and (np.diff(ours_values) <= 0).all()
+            np.testing.assert_allclose(ours_values, row[ours_ids], atol=1e-3)  # each id's own logprob
+            np.testing.assert_allclose(ours_values, np.sort(row)[::-1][: p.top_logprobs], atol=1e-3)  # the best
+            if token in ours_ids:
+                assert abs(ours_values[ours_ids.index(token)] - logprob) < 1e-5
+        assert out.top_logprobs[0][0][0] == out.token_ids[0] or p.temperature > 0
+
+
 class OpenAIPenalties:
     """OpenAI's frequency and presence penalties as a transformers logits processor (transformers has
     none): minus frequency times each token's count in the output, minus presence if it is there."""

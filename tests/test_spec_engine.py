@@ -103,9 +103,11 @@ def test_speculation_is_off_per_request_and_pruned_by_confidence(smollm2_llm, tr
     assert pruned < unpruned
 
 
-def test_penalties_are_refused_with_a_draft_model(truncated_draft):
+def test_penalties_and_top_logprobs_are_refused_with_a_draft_model(truncated_draft):
     with pytest.raises(RequestError, match="repetition_penalty: not available with speculative decoding"):
         truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, repetition_penalty=1.2))
+    with pytest.raises(RequestError, match="top_logprobs: not available with speculative decoding"):
+        truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2))
 
 
 def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2_llm, truncated_draft):

@@ -12,6 +12,7 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 8  # with the model's EOS ids, they must fit the sampler's banned-id slots
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread at every token
 MAX_REPETITION_PENALTY = 100.0
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the step computes this many alternatives for every row that asks
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class SamplingParams:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: the most likely ids at each position and their logprobs
     num_draft_tokens: int | None = None  # speculative proposals per round: None = the engine's, 0 = off
     exec: bool = False  # run the programs this request writes in <|exec|> blocks (engine.exec_slots > 0)
     exec_max_instructions: int | None = None  # fuel per program; None = the engine's cap (also the maximum)
@@ -60,6 +62,9 @@ class SamplingParams:
             _bool_field(name, getattr(self, name))
         _int_field("max_tokens", self.max_tokens, low=1, high=MAX_INT32)
         _int_field("top_k", self.top_k, low=0, high=MAX_INT32)
+        _int_field("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
+        if self.top_logprobs and not self.logprobs:
+            raise RequestError("top_logprobs: needs logprobs true")
         _int_field("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _float_field("temperature", self.temperature, low=0.0, high=100.0)
         _float_field("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -166,6 +171,9 @@ class RequestOutput:
     finish_reason: str
     usage: Usage
     logprobs: list[float] | None = None
+    # With top_logprobs: per token, the (id, logprob) pairs of the most likely ids under the raw model,
+    # most likely first ([] for a token this engine did not sample: a program's result, a handed-off id).
+    top_logprobs: list[list[tuple[int, float]]] | None = None
     request_id: str = ""
     forged_tokens: int = 0
     stored_pages: int = 0  # prompt pages written to the KV store (requests with `publish_kv`)

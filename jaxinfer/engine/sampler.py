@@ -47,6 +47,18 @@ def sample(logits: jax.Array, params: SamplingInputs, penalized: jax.Array | Non
     return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
 
 
+def top_logprobs(logits: jax.Array, wanted: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """The `count` most likely ids of each row under the raw model and their logprobs, [S, count] each;
+    zeros unless some row wants them (`wanted` [S] > 0), so a batch without them skips the search."""
+
+    def search() -> tuple[jax.Array, jax.Array]:
+        values, ids = lax.top_k(jax.nn.log_softmax(logits, axis=-1), count)
+        return ids.astype(jnp.int32), values
+
+    nothing = (jnp.zeros((logits.shape[0], count), jnp.int32), jnp.zeros((logits.shape[0], count), logits.dtype))
+    return lax.cond(jnp.any(wanted > 0), search, lambda: nothing)
+
+
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
     rows, vocab = logits.shape
     columns = jnp.where(banned >= 0, banned, vocab)  # out of range: dropped

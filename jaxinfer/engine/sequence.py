@@ -30,6 +30,7 @@ class Sequence:
     seed: int
     output_ids: list[int] = field(default_factory=list)  # sampled ids the host has read back
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per output id (top_logprobs > 0)
     inflight: int = 0  # sampled ids still on the device (overlapped scheduling)
     last_row: int = -1  # this sequence's row in the step that sampled its newest id
     pages: list[int] = field(default_factory=list)

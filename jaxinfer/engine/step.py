@@ -31,8 +31,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
+from jaxinfer.engine.params import MAX_TOP_LOGPROBS
 from jaxinfer.engine.penalties import PenaltyInputs, count_sampled, load_row, penalize
-from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
+from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample, top_logprobs
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
 from jaxinfer.kv.tiers import HostPage, TieredPages
@@ -56,6 +57,7 @@ class StepInputs:
     logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
     sampling: SamplingInputs
     penalties: PenaltyInputs
+    top_logprobs: jax.Array  # [S] int32: how many alternatives the row wants (0: none)
     adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
 
 
@@ -81,6 +83,7 @@ class HostBatch:
     repetition_penalty: np.ndarray
     frequency_penalty: np.ndarray
     presence_penalty: np.ndarray
+    top_logprobs: np.ndarray
     adapters: np.ndarray
 
     @property
@@ -97,7 +100,8 @@ class HostBatch:
         )
         penalties = PenaltyInputs(self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
                                   self.presence_penalty)
-        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, penalties, self.adapters)
+        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, penalties, self.top_logprobs,
+                          self.adapters)
 
     def packed(self) -> PackedInputs:
         """The arrays as one int32 buffer: one host-to-device copy per step instead of one per array."""
@@ -136,6 +140,7 @@ class StepResult:
     tokens: jax.Array  # [max_seqs] int32
     logprobs: jax.Array  # [max_seqs] float32
     rows: int
+    top: tuple[jax.Array, jax.Array] | None = None  # [max_seqs, MAX_TOP_LOGPROBS] ids, logprobs (rows asked)
     exec_report: ExecReport | None = None  # the processor's slots after this step (when it has any)
     number: int = -1  # dispatch order on its runner (followers of a process group replay by it)
 
@@ -146,6 +151,13 @@ class StepResult:
         """Waits for the step and returns (sampled token per row, its logprob) on the host."""
         tokens, logprobs = jax.device_get((self.tokens, self.logprobs))  # explicit: allowed by a transfer guard
         return tokens[: self.rows], logprobs[: self.rows]
+
+    def fetch_top(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The alternatives of each row ([rows, MAX_TOP_LOGPROBS] ids and logprobs), when some row asked."""
+        if self.top is None:
+            return None
+        ids, values = jax.device_get(self.top)
+        return ids[: self.rows], values[: self.rows]
 
 
 def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs, machine=None,
@@ -159,10 +171,13 @@ def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, pa
     tokens, logprobs = sample(logits, inputs.sampling, penalize(logits, counts, inputs.penalties))
     counts = jax.lax.with_sharding_constraint(count_sampled(counts, inputs.penalties.slot, tokens), counts_sharding)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
+    top_ids, top_values = (jnp.pad(a, (pad, (0, 0))) for a in top_logprobs(logits, inputs.top_logprobs,
+                                                                             MAX_TOP_LOGPROBS))
+    outputs = (caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), top_ids, top_values)
     if exec_fn is None:
-        return caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad)
+        return outputs
     machine, exec_report = exec_fn(machine, code)  # the processor's slots advance in the same step
-    return caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), machine, exec_report
+    return *outputs, machine, exec_report
 
 
 def keep_shardings(caches, shardings):
@@ -370,6 +385,7 @@ class ModelRunner:
             repetition_penalty=np.ones(rows, np.float32),
             frequency_penalty=np.zeros(rows, np.float32),
             presence_penalty=np.zeros(rows, np.float32),
+            top_logprobs=np.zeros(rows, np.int32),
             adapters=zeros_t.copy(),
         )
 
@@ -445,15 +461,17 @@ class ModelRunner:
         inputs = to_devices(batch.packed(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
         outputs = executable(self.state, self.caches, self.penalty_counts, prev_tokens, inputs, *self._exec_args())
-        self.caches, self.penalty_counts, tokens, logprobs = outputs[:4]
+        self.caches, self.penalty_counts, tokens, logprobs, *top = outputs[:6]
         exec_report = None
         if self.exec_unit is not None:
-            self.exec_unit.state, exec_report = outputs[4:]
+            self.exec_unit.state, exec_report = outputs[6:]
             for part in exec_report:
                 part.copy_to_host_async()
-        tokens.copy_to_host_async()
-        logprobs.copy_to_host_async()
-        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), exec_report, number)
+        wanted = batch.top_logprobs.any()  # else they are zeros: not copied
+        for part in (tokens, logprobs, *(top if wanted else ())):
+            part.copy_to_host_async()
+        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), tuple(top) if wanted else None,
+                          exec_report, number)
 
     def replay(self, arrays: dict[str, np.ndarray], previous: StepResult | None) -> StepResult:
         """A follower's copy of a step the leader dispatched (see parallel/lockstep.py)."""
@@ -464,7 +482,7 @@ class ModelRunner:
         exec_report = self.exec_unit.run_alone()
         for part in exec_report:
             part.copy_to_host_async()
-        return StepResult(self.no_tokens, self.no_logprobs, 0, exec_report)
+        return StepResult(self.no_tokens, self.no_logprobs, 0, exec_report=exec_report)
 
     def _exec_args(self) -> tuple:
         """The processor's machine state and code, when the step carries them."""
