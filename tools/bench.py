@@ -273,19 +273,22 @@ def bench_gemm(args: argparse.Namespace) -> None:
 
 # -- sampler: the on-device sampler alone, without filters and with each filter ---------------------
 def bench_sampler(args: argparse.Namespace) -> None:
-    """ms per jitted `sample()` call on random logits at temperature 0.8: no filter, each filter alone, penalties."""
+    """ms per jitted `sample()` call at temperature 0.8 on random logits: each filter, penalties, top_logprobs."""
     import jax
     import jax.numpy as jnp
 
+    from jaxinfer.engine.params import MAX_TOP_LOGPROBS
     from jaxinfer.engine.penalties import PenaltyInputs, penalize
-    from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample
+    from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample, top_logprobs
 
     @jax.jit
-    def fn(logits, params, counts, penalties):
-        return sample(logits, params, penalize(logits, counts, penalties))
+    def fn(logits, params, counts, penalties, wanted):
+        return sample(logits, params, penalize(logits, counts, penalties)), top_logprobs(logits, wanted,
+                                                                                          MAX_TOP_LOGPROBS)
 
     settings = [dict(), dict(top_p=0.9), dict(top_k=50), dict(min_p=0.05), dict(top_k=50, top_p=0.9),
-                dict(penalties=True)]  # every row: repetition 1.1, frequency and presence 0.5
+                dict(penalties=True),  # every row: repetition 1.1, frequency and presence 0.5
+                dict(top_logprobs=20)]  # every row: its 20 most likely ids
     for rows in args.rows:
         logits = jax.random.normal(jax.random.key(0), (rows, args.vocab)) * 3
         counts = jax.random.randint(jax.random.key(1), (rows, args.vocab), 0, 2, jnp.int32)
@@ -297,12 +300,13 @@ def bench_sampler(args: argparse.Namespace) -> None:
                 banned=jnp.full((rows, MAX_BANNED), -1, jnp.int32))
             slots = jnp.arange(rows, dtype=jnp.int32) if setting.get("penalties") else jnp.full(rows, -1, jnp.int32)
             penalties = PenaltyInputs(slots, jnp.full(rows, 1.1), jnp.full(rows, 0.5), jnp.full(rows, 0.5))
-            fn(logits, params, counts, penalties)[0].block_until_ready()
+            wanted = jnp.full(rows, setting.get("top_logprobs", 0), jnp.int32)
+            jax.block_until_ready(fn(logits, params, counts, penalties, wanted))
             start = time.perf_counter()
             for _ in range(args.repeats):
-                fn(logits, params, counts, penalties)[0].block_until_ready()
+                jax.block_until_ready(fn(logits, params, counts, penalties, wanted))
             emit(dict(what="sampler", backend=jax.default_backend(), rows=rows, vocab=args.vocab,
-                      **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, "penalties": False, **setting},
+                      **{"top_k": 0, "top_p": 1.0, "min_p": 0.0, "penalties": False, "top_logprobs": 0, **setting},
                       ms=round((time.perf_counter() - start) / args.repeats * 1e3, 2)))
 
 
