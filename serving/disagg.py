@@ -147,6 +147,8 @@ class PrefillService:
         done = handoff(engine_req, out, max_model_len).finish_reason
         return pb.PrefillResponse(
             token_ids=out.token_ids, logprobs=out.logprobs or [], stored_pages=out.stored_pages, text=out.text,
+            top_logprobs=[pb.TopLogprobs(token_ids=[i for i, _ in top], logprobs=[v for _, v in top])
+                          for top in out.top_logprobs or []],
             finish_reason=FINISH_REASONS[done] if done else pb.FINISH_REASON_UNSPECIFIED,
             usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
                            cached_tokens=out.usage.cached_tokens))
@@ -207,7 +209,8 @@ class PrefillRouter:
             self.remote += 1
             done = REASON_OF.get(reply.finish_reason)
             return Handoff(request, list(reply.token_ids), list(reply.logprobs) or [0.0] * len(reply.token_ids),
-                           reply.stored_pages, done, reply.text, reply.usage.cached_tokens)
+                           reply.stored_pages, done, reply.text, reply.usage.cached_tokens,
+                           [list(zip(top.token_ids, top.logprobs, strict=True)) for top in reply.top_logprobs])
         if deadline is not None and loop.time() >= deadline:
             raise passed
         self.local += 1
@@ -226,6 +229,7 @@ def finished_output(handoff: Handoff) -> RequestOutput:
                          token_ids=handoff.generated_ids, finish_reason=handoff.finish_reason,
                          usage=Usage(len(request.prompt_ids), len(handoff.generated_ids), handoff.cached_tokens),
                          logprobs=handoff.generated_logprobs if request.params.logprobs else None,
-                         top_logprobs=[[] for _ in handoff.generated_ids] if request.params.top_logprobs else None,
+                         top_logprobs=(list(handoff.generated_top_logprobs) or [[] for _ in handoff.generated_ids]
+                                       if request.params.top_logprobs else None),
                          request_id=request.request_id, forged_tokens=request.forged_tokens)
 

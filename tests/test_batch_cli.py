@@ -202,7 +202,7 @@ def test_good_lines_have_text_tokens_and_usage(records, tok):
             assert len(record["logprobs"]) == len(record["top_logprobs"]) == len(ids)
             for token, logprob, top in zip(ids, record["logprobs"], record["top_logprobs"], strict=True):
                 assert len(top) == line["top_logprobs"] and top[0][1] >= logprob - 1e-6
-                assert token not in [t for t, _ in top] or dict(top)[token] == logprob
+                assert token not in [t for t, _ in top] or abs(dict(top)[token] - logprob) < 1e-5
         assert 1 <= len(ids) <= line.get("max_tokens", MAX_TOKENS)
         assert all(isinstance(t, int) and 0 <= t < tok.vocab_size for t in ids)
         assert record["finish_reason"] in {"stop", "length"}

@@ -11,12 +11,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import numpy as np
 import pytest
 from conftest import TEST_ENGINE
 from servers import RunningServer, self_signed
 
 from jaxinfer import LLM, SamplingParams
-from jaxinfer.engine.disagg import Handoff, settled, with_seed
+from jaxinfer.engine.disagg import Handoff, decode_request, settled, with_seed
 from jaxinfer.engine.params import Request
 from serving.convert import sampling_proto
 from serving.disagg import DeadlinePassed, PrefillRouter, finished_output
@@ -114,6 +115,24 @@ def test_a_peer_that_refuses_what_the_front_accepts_is_passed_over(kv_llm, prefi
     INVALID_ARGUMENT, not the request's: the front prefills it itself."""
     prompt = kv_llm.request(TEXT * 3, SamplingParams()).prompt_ids[: MAX_MODEL_LEN + 4]
     assert route(prefill.target, Request(prompt, SamplingParams(max_tokens=4))) == (None, 0, 1)
+
+
+def test_the_first_token_s_top_logprobs_come_with_the_hand_off(kv_llm, prefill):
+    """The prefill worker samples the first id: its alternatives travel in the reply, and the decode
+    worker's output has them for every id, as one engine running the whole request would."""
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=True, top_logprobs=4)
+    request = kv_llm.request("Tides and alternatives: " + TEXT, params)
+    whole = kv_llm.generate([request.prompt_ids], params)[0]
+    passed, remote, _ = route(prefill.target, request)
+    assert remote == 1 and len(passed.generated_top_logprobs) == 1
+    (out,) = kv_llm.engine.generate([decode_request(passed)])
+    assert out.token_ids == whole.token_ids and len(out.top_logprobs) == 5
+    for ours, theirs in zip(out.top_logprobs, whole.top_logprobs, strict=True):
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        np.testing.assert_allclose([v for _, v in ours], [v for _, v in theirs], atol=1e-5)
+    one = dataclasses.replace(request, params=dataclasses.replace(params, max_tokens=1))
+    ended, _, _ = route(prefill.target, one)
+    assert ended.finish_reason == "length" and finished_output(ended).top_logprobs == ended.generated_top_logprobs
 
 
 def test_a_finished_hand_off_reports_the_prompt_tokens_found_cached(kv_llm, prefill):

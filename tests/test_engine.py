@@ -264,3 +264,30 @@ def test_huge_top_k_is_clamped_to_the_vocabulary(smollm2_llm):
     assert len(smollm2_llm.generate(["Hi"], params)[0].token_ids) == 3
     with pytest.raises(RequestError, match="top_k"):
         SamplingParams(top_k=2**31)
+
+
+def test_a_vocabulary_smaller_than_the_alternatives_gets_all_its_ids():
+    """The step computes min(20, vocab) alternatives: a 12-id model starts, and a row asking for all 12
+    gets the whole distribution, most likely first."""
+    import numpy as np
+
+    from jaxinfer.config import EngineConfig, ModelConfig
+    from jaxinfer.engine.step import ModelRunner
+    from jaxinfer.parallel import make_mesh
+    from jaxinfer.weights.loader import random_model
+
+    cfg = ModelConfig(architecture="llama", vocab_size=12, hidden_size=32, intermediate_size=64, num_layers=1,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=64)
+    mesh = make_mesh(1, 1, devices=jax.devices()[:1])
+    runner = ModelRunner(random_model(cfg, mesh, jnp.float32, seed=3), cfg,
+                         EngineConfig(token_buckets=(8,), max_seqs=2, page_size=8, num_pages=4, dtype="float32"), mesh)
+    batch = runner.empty_batch(8)
+    batch.tokens[:3], batch.positions[:3] = [1, 5, 7], [0, 1, 2]
+    batch.page_table[0, 0] = 1
+    batch.write_slots[:3] = 8 + batch.positions[:3]
+    batch.logits_rows[0], batch.top_logprobs[0] = 2, 12
+    result = runner.dispatch(batch)
+    (token, *_), (logprob, *_) = result.fetch()
+    ids, values = (a[0] for a in result.fetch_top())
+    assert sorted(ids.tolist()) == list(range(12)) and (np.diff(values) <= 0).all()
+    assert abs(np.exp(values).sum() - 1) < 1e-5 and ids[0] == token and abs(values[0] - logprob) < 1e-6

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax
 
@@ -41,6 +41,7 @@ class Handoff:
     finish_reason: str | None
     text: str  # the output text so far (the whole output when finished)
     cached_tokens: int = 0  # prompt tokens the prefill worker found cached
+    generated_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs
 
 
 def with_seed(request: Request, rng: random.Random | None = None) -> Request:
@@ -70,7 +71,8 @@ def handoff(request: Request, output: RequestOutput, max_model_len: int) -> Hand
     generated = len(output.token_ids)
     done = output.finish_reason != "length" or at_limit(request, generated, max_model_len)
     return Handoff(request, list(output.token_ids), list(output.logprobs or [0.0] * generated),
-                   output.stored_pages, output.finish_reason if done else None, output.text, output.usage.cached_tokens)
+                   output.stored_pages, output.finish_reason if done else None, output.text, output.usage.cached_tokens,
+                   list(output.top_logprobs or []))
 
 
 def at_limit(request: Request, generated: int, max_model_len: int) -> bool:
@@ -91,6 +93,7 @@ def decode_request(handoff: Handoff) -> Request:
     """What the decode worker runs: the original request, continuing after the generated ids."""
     return dataclasses.replace(handoff.request, generated_ids=list(handoff.generated_ids),
                                generated_logprobs=list(handoff.generated_logprobs),
+                               generated_top_logprobs=list(handoff.generated_top_logprobs),
                                stored_pages=handoff.stored_pages)
 
 

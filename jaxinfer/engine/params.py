@@ -155,6 +155,7 @@ class Request:
     publish_kv: bool = False
     generated_ids: list[int] = field(default_factory=list)
     generated_logprobs: list[float] = field(default_factory=list)
+    generated_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs
     stored_pages: int = 0
 
 

@@ -171,8 +171,8 @@ def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, pa
     tokens, logprobs = sample(logits, inputs.sampling, penalize(logits, counts, inputs.penalties))
     counts = jax.lax.with_sharding_constraint(count_sampled(counts, inputs.penalties.slot, tokens), counts_sharding)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
-    top_ids, top_values = (jnp.pad(a, (pad, (0, 0))) for a in top_logprobs(logits, inputs.top_logprobs,
-                                                                             MAX_TOP_LOGPROBS))
+    alternatives = min(MAX_TOP_LOGPROBS, logits.shape[-1])  # a tiny test vocabulary has fewer ids
+    top_ids, top_values = (jnp.pad(a, (pad, (0, 0))) for a in top_logprobs(logits, inputs.top_logprobs, alternatives))
     outputs = (caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), top_ids, top_values)
     if exec_fn is None:
         return outputs
