@@ -216,10 +216,10 @@ class Engine:
             raise RequestError("exec: this engine runs no programs (engine.exec_slots is 0)")
         if params.exec_trace == "full" and self.executor is not None and not self.cfg.exec_trace_entries:
             raise RequestError("exec_trace: full needs engine.exec_trace_entries > 0")
-        if params.exec and self.speculator is not None:
-            raise RequestError("exec: not available with speculative decoding (engine.draft_model)")
-        if params.top_logprobs and self.speculator is not None:
-            raise RequestError("top_logprobs: not available with speculative decoding (engine.draft_model)")
+        # What a speculative round does not compute: program steps, alternatives, penalty counts per proposal.
+        unspeculated = ["exec"] * params.exec + ["top_logprobs"] * bool(params.top_logprobs) + params.active_penalties
+        if unspeculated and self.speculator is not None:
+            raise RequestError(f"{unspeculated[0]}: not available with speculative decoding (engine.draft_model)")
         if params.top_logprobs > self.runner.model_cfg.vocab_size:
             raise RequestError(f"top_logprobs: at most the vocabulary's {self.runner.model_cfg.vocab_size} ids, "
                                f"got {params.top_logprobs}")
@@ -244,10 +244,7 @@ class Engine:
     def _check_penalties(self, params: SamplingParams) -> None:
         if not params.penalized:
             return
-        field = next(name for name, off in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
-                                            ("presence_penalty", 0.0)) if getattr(params, name) != off)
-        if self.speculator is not None:
-            raise RequestError(f"{field}: not available with speculative decoding (engine.draft_model)")
+        field = params.active_penalties[0]
         if params.exec:
             raise RequestError(f"{field}: not available with exec (a program's result is not counted)")
         if not self.cfg.penalty_slots:

@@ -12,6 +12,7 @@ MAX_INT32 = 2**31 - 1
 MAX_STOP_TOKEN_IDS = 8  # with the model's EOS ids, they must fit the sampler's banned-id slots
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine thread at every token
 MAX_REPETITION_PENALTY = 100.0
+PENALTIES_OFF = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the step computes this many alternatives for every row that asks
 
 
@@ -53,9 +54,13 @@ class SamplingParams:
         self._check()
 
     @property
+    def active_penalties(self) -> list[str]:
+        """The names of the repetition, frequency and presence penalties that are on."""
+        return [name for name, off in PENALTIES_OFF.items() if getattr(self, name) != off]
+
+    @property
     def penalized(self) -> bool:
-        """Whether any of the repetition, frequency and presence penalties is on."""
-        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+        return bool(self.active_penalties)
 
     def _check(self) -> None:
         for name in ("ignore_eos", "logprobs", "exec"):
