@@ -31,6 +31,17 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
                           exec_trace=proto.exec_trace or "none")
 
 
+def top_logprobs_proto(tops: list[list[tuple[int, float]]]) -> list[pb.TopLogprobs]:
+    """Per-token (id, logprob) alternatives -> TopLogprobs messages."""
+    return [pb.TopLogprobs(token_ids=[token for token, _ in top], logprobs=[value for _, value in top])
+            for top in tops]
+
+
+def top_logprobs_from_proto(messages) -> list[list[tuple[int, float]]]:
+    """TopLogprobs messages -> per-token (id, logprob) alternatives."""
+    return [list(zip(top.token_ids, top.logprobs, strict=True)) for top in messages]
+
+
 def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
     """SamplingParams -> proto (every field explicit, so the peer applies no defaults of its own)."""
     return pb.SamplingParams(**{name: getattr(params, name) for name in OPTIONAL}, stop=list(params.stop),

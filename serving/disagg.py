@@ -38,6 +38,8 @@ from serving.convert import (
     sampling_params,
     sampling_proto,
     submit_refusal,
+    top_logprobs_from_proto,
+    top_logprobs_proto,
 )
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.tenants import Tenant
@@ -147,8 +149,7 @@ class PrefillService:
         done = handoff(engine_req, out, max_model_len).finish_reason
         return pb.PrefillResponse(
             token_ids=out.token_ids, logprobs=out.logprobs or [], stored_pages=out.stored_pages, text=out.text,
-            top_logprobs=[pb.TopLogprobs(token_ids=[i for i, _ in top], logprobs=[v for _, v in top])
-                          for top in out.top_logprobs or []],
+            top_logprobs=top_logprobs_proto(out.top_logprobs or []),
             finish_reason=FINISH_REASONS[done] if done else pb.FINISH_REASON_UNSPECIFIED,
             usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
                            cached_tokens=out.usage.cached_tokens))
@@ -210,7 +211,7 @@ class PrefillRouter:
             done = REASON_OF.get(reply.finish_reason)
             return Handoff(request, list(reply.token_ids), list(reply.logprobs) or [0.0] * len(reply.token_ids),
                            reply.stored_pages, done, reply.text, reply.usage.cached_tokens,
-                           [list(zip(top.token_ids, top.logprobs, strict=True)) for top in reply.top_logprobs])
+                           top_logprobs_from_proto(reply.top_logprobs))
         if deadline is not None and loop.time() >= deadline:
             raise passed
         self.local += 1

@@ -19,7 +19,14 @@ from jaxinfer.engine.params import Request, RequestOutput
 from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
 from jaxinfer.llm import LLM
 from jaxinfer.tokenizer.tokenizer import GuardReport
-from serving.convert import FINISH_REASONS, check_request_id, delta_failure, sampling_params, submit_refusal
+from serving.convert import (
+    FINISH_REASONS,
+    check_request_id,
+    delta_failure,
+    sampling_params,
+    submit_refusal,
+    top_logprobs_proto,
+)
 from serving.disagg import DeadlinePassed, PrefillRouter, finished_output
 from serving.metrics import ServerMetrics
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
@@ -251,9 +258,7 @@ class InferenceService(pb_grpc.InferenceServicer):
     def _response(request_id: str, engine_req: Request, delta: Delta) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
                                        logprobs=delta.logprobs, forged_tokens=engine_req.forged_tokens,
-                                       top_logprobs=[pb.TopLogprobs(token_ids=[i for i, _ in top],
-                                                                    logprobs=[v for _, v in top])
-                                                     for top in delta.top_logprobs])
+                                       top_logprobs=top_logprobs_proto(delta.top_logprobs))
         if delta.final is not None:
             out = delta.final
             response.finish_reason = FINISH_REASONS[out.finish_reason]
