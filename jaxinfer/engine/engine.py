@@ -704,7 +704,7 @@ class Engine:
         """Reads a step's sampled ids back and applies them; returns the seconds spent waiting for the device."""
         started = time.perf_counter()
         tokens, logprobs = step.result.fetch()
-        top = step.result.fetch_top()
+        top = step.result.fetch_top()  # read with the tokens
         waited = time.perf_counter() - started
         if self._publisher is not None:
             self._publisher.write_ready(step.number)  # not the copies queued after the step in flight

@@ -52,8 +52,11 @@ def top_logprobs(logits: jax.Array, wanted: jax.Array, count: int) -> tuple[jax.
     zeros unless some row wants them (`wanted` [S] > 0), so a batch without them skips the search."""
 
     def search() -> tuple[jax.Array, jax.Array]:
-        values, ids = lax.top_k(jax.nn.log_softmax(logits, axis=-1), count)
-        return ids.astype(jnp.int32), values
+        # The ids of the largest logits, less the row's log-normalizer: log_softmax's arithmetic (so the
+        # sampled id's value equals its logprob) without writing the whole [S, V] log-softmax first.
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        values, ids = lax.top_k(logits, count)
+        return ids.astype(jnp.int32), (values - top) - jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
 
     nothing = (jnp.zeros((logits.shape[0], count), jnp.int32), jnp.zeros((logits.shape[0], count), logits.dtype))
     return lax.cond(jnp.any(wanted > 0), search, lambda: nothing)

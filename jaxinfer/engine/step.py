@@ -141,6 +141,7 @@ class StepResult:
     logprobs: jax.Array  # [max_seqs] float32
     rows: int
     top: tuple[jax.Array, jax.Array] | None = None  # [max_seqs, MAX_TOP_LOGPROBS] ids, logprobs (rows asked)
+    _top_host: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, init=False, repr=False)
     exec_report: ExecReport | None = None  # the processor's slots after this step (when it has any)
     number: int = -1  # dispatch order on its runner (followers of a process group replay by it)
 
@@ -148,16 +149,15 @@ class StepResult:
         return None if self.exec_report is None else ExecReport(*jax.device_get(tuple(self.exec_report)))
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray]:
-        """Waits for the step and returns (sampled token per row, its logprob) on the host."""
-        tokens, logprobs = jax.device_get((self.tokens, self.logprobs))  # explicit: allowed by a transfer guard
+        """Waits for the step and returns (sampled token per row, its logprob) on the host; the
+        alternatives, when some row asked, come in the same read (`fetch_top`)."""
+        tokens, logprobs, top = jax.device_get((self.tokens, self.logprobs, self.top))  # explicit: guard allows it
+        self._top_host = None if top is None else (top[0][: self.rows], top[1][: self.rows])
         return tokens[: self.rows], logprobs[: self.rows]
 
     def fetch_top(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """The alternatives of each row ([rows, MAX_TOP_LOGPROBS] ids and logprobs), when some row asked."""
-        if self.top is None:
-            return None
-        ids, values = jax.device_get(self.top)
-        return ids[: self.rows], values[: self.rows]
+        """After `fetch`: each row's alternatives ([rows, MAX_TOP_LOGPROBS] ids and logprobs), if asked for."""
+        return self._top_host
 
 
 def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs, machine=None,
@@ -331,11 +331,15 @@ class ModelRunner:
 
     def load_penalties(self, slot: int, prompt_ids: list[int], output_ids: list[int]) -> None:
         """Sets a slot's counts to those of a sequence's ids (before the first step that samples it)."""
-        ids = np.full(self.max_pages_per_seq * self.cfg.page_size, -1, np.int32)
-        ids[: len(prompt_ids)] = prompt_ids
-        ids[len(prompt_ids) : len(prompt_ids) + len(output_ids)] = output_ids
+        ids = self._penalty_ids(prompt_ids + output_ids)
         self._replicated(lambda: self._load_penalties(slot, ids, len(prompt_ids)), "load_penalties",
                          {"slot": slot, "num_prompt": len(prompt_ids)}, {"ids": ids})
+
+    def _penalty_ids(self, ids: list[int]) -> np.ndarray:
+        """A sequence's ids padded with -1 to the loader's one shape (max_model_len rounded up to pages)."""
+        padded = np.full(self.max_pages_per_seq * self.cfg.page_size, -1, np.int32)
+        padded[: len(ids)] = ids
+        return padded
 
     def _load_penalties(self, slot: int, ids: np.ndarray, num_prompt: int) -> None:
         scalars = to_devices((np.int32(slot), np.int32(num_prompt)), self.replicated)
@@ -412,7 +416,7 @@ class ModelRunner:
         if self.exec_unit is not None:
             self.exec_unit.warmup()
         if not self.warmed_up and self.cfg.penalty_slots:  # compiles the count loader (slot 0 is free now)
-            self._load_penalties(0, np.full(self.max_pages_per_seq * self.cfg.page_size, -1, np.int32), 0)
+            self._load_penalties(0, self._penalty_ids([]), 0)
         if self.spec is not None:
             self.spec.warmup()
         else:
