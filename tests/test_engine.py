@@ -285,9 +285,17 @@ def test_a_vocabulary_smaller_than_the_alternatives_gets_all_its_ids():
     batch.tokens[:3], batch.positions[:3] = [1, 5, 7], [0, 1, 2]
     batch.page_table[0, 0] = 1
     batch.write_slots[:3] = 8 + batch.positions[:3]
+    batch.seq_rows[3:] = 0
     batch.logits_rows[0], batch.top_logprobs[0] = 2, 12
     result = runner.dispatch(batch)
     (token, *_), (logprob, *_) = result.fetch()
     ids, values = (a[0] for a in result.fetch_top())
     assert sorted(ids.tolist()) == list(range(12)) and (np.diff(values) <= 0).all()
     assert abs(np.exp(values).sum() - 1) < 1e-5 and ids[0] == token and abs(values[0] - logprob) < 1e-6
+    # Scored prompt positions likewise: position 1 asks for all 12 ids and scores the id at position 2.
+    batch.prompt_targets[1], batch.prompt_alternatives[1] = 7, 12
+    result = runner.dispatch(batch)
+    result.fetch()
+    scores, top_ids, top_values = (a[1] for a in result.fetch_prompt())
+    assert sorted(top_ids.tolist()) == list(range(12)) and abs(np.exp(top_values).sum() - 1) < 1e-5
+    assert abs(scores - top_values[top_ids.tolist().index(7)]) < 1e-6

@@ -88,6 +88,33 @@ def test_top_logprobs_match_transformers(smollm2_llm, hf_model):
             assert ours_ids[0] == token or p.temperature > 0  # greedy: the sampled id is the most likely
 
 
+def test_prompt_logprobs_match_transformers(smollm2_llm, hf_model):
+    """Every prompt token's logprob given those before it, and the most likely ids at its position, as
+    transformers scores the prompt in one forward pass; the long prompt is scored over several steps
+    (chunked prefill), beside a row that decodes and one scored without alternatives."""
+    long_prompt = "Summarize: " + " ".join(f"item {i} costs {3 * i} euros;" for i in range(20))
+    prompts = [long_prompt, PROMPTS[0], PROMPTS[1]]
+    params = [SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=5),
+              SamplingParams(max_tokens=8, temperature=0.0),
+              SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=0)]
+    outputs = smollm2_llm.generate(prompts, params)
+    assert len(outputs[0].prompt_token_ids) > 2 * max(smollm2_llm.config.token_buckets)
+    assert outputs[1].prompt_logprobs is None and outputs[2].prompt_top_logprobs is None
+    for out, p in zip(outputs[::2], params[::2], strict=True):
+        ids = out.prompt_token_ids
+        with torch.no_grad():
+            reference = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+        np.testing.assert_allclose(out.prompt_logprobs[1:], reference[np.arange(len(ids) - 1), ids[1:]], atol=1e-3)
+        for position, top in enumerate(out.prompt_top_logprobs or [], start=-1):
+            if position < 0:
+                assert top == []
+                continue
+            top_ids, values = [t for t, _ in top], [v for _, v in top]
+            np.testing.assert_allclose(values, reference[position, top_ids], atol=1e-3)
+            np.testing.assert_allclose(values, np.sort(reference[position])[::-1][: p.prompt_logprobs], atol=1e-3)
+
+
 class OpenAIPenalties:
     """OpenAI's frequency and presence penalties as a transformers logits processor (transformers has
     none): minus frequency times each token's count in the output, minus presence if it is there."""

@@ -42,6 +42,8 @@ class Handoff:
     text: str  # the output text so far (the whole output when finished)
     cached_tokens: int = 0  # prompt tokens the prefill worker found cached
     generated_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs
+    prompt_logprobs: list[float | None] | None = None  # with prompt_logprobs: the prompt as scored there
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def with_seed(request: Request, rng: random.Random | None = None) -> Request:
@@ -72,7 +74,7 @@ def handoff(request: Request, output: RequestOutput, max_model_len: int) -> Hand
     done = output.finish_reason != "length" or at_limit(request, generated, max_model_len)
     return Handoff(request, list(output.token_ids), list(output.logprobs or [0.0] * generated),
                    output.stored_pages, output.finish_reason if done else None, output.text, output.usage.cached_tokens,
-                   list(output.top_logprobs or []))
+                   list(output.top_logprobs or []), output.prompt_logprobs, output.prompt_top_logprobs)
 
 
 def at_limit(request: Request, generated: int, max_model_len: int) -> bool:
@@ -94,6 +96,8 @@ def decode_request(handoff: Handoff) -> Request:
     return dataclasses.replace(handoff.request, generated_ids=list(handoff.generated_ids),
                                generated_logprobs=list(handoff.generated_logprobs),
                                generated_top_logprobs=list(handoff.generated_top_logprobs),
+                               scored_prompt_logprobs=handoff.prompt_logprobs,
+                               scored_prompt_top_logprobs=handoff.prompt_top_logprobs,
                                stored_pages=handoff.stored_pages)
 
 

@@ -56,11 +56,22 @@ audit = logging.getLogger("jaxinfer.audit")
 __all__ = ["Engine", "EngineStats", "ScheduledChunk", "Sequence"]
 
 
+@dataclass(frozen=True)
+class _ScoredSpan:
+    """Prompt positions [first, first + count) of a sequence, scored at [offset, offset + count) of a batch."""
+
+    seq: Sequence
+    offset: int
+    first: int
+    count: int
+
+
 @dataclass
 class _InflightStep:
     chunks: list[ScheduledChunk]
     result: StepResult
     number: int  # the count of steps launched, this one included
+    scored: list[_ScoredSpan] = dataclasses.field(default_factory=list)  # prompt positions it scores
 
 
 def _check_token_ids(name: str, ids: Iterable[object], vocab: int) -> None:
@@ -70,6 +81,10 @@ def _check_token_ids(name: str, ids: Iterable[object], vocab: int) -> None:
             raise RequestError(f"{name}[{i}]: must be an integer token id, got {token!r:.40}")
         if not 0 <= token < vocab:
             raise RequestError(f"{name}[{i}]: {token} is outside the vocabulary [0, {vocab})")
+
+
+def _is_logprob(value: object) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool) and -math.inf <= value <= 0
 
 
 def run_to_completion(engine, sequences: list[Sequence], on_finish: Callable[[RequestOutput], None] | None
@@ -133,6 +148,7 @@ class Engine:
         self._inflight: _InflightStep | None = None
         self.executor = self._make_executor()
         self._forced_finished: list[Sequence] = []  # finished by appended exec result tokens (max_tokens)
+        self._scoring: set[Sequence] = set()  # sequences with prompt positions still to score
 
     def _make_executor(self) -> Executor | None:
         """The processor's host side, when the runner carries machine slots in its step."""
@@ -217,12 +233,14 @@ class Engine:
         if params.exec_trace == "full" and self.executor is not None and not self.cfg.exec_trace_entries:
             raise RequestError("exec_trace: full needs engine.exec_trace_entries > 0")
         # What a speculative round does not compute: program steps, alternatives, penalty counts per proposal.
-        unspeculated = ["exec"] * params.exec + ["top_logprobs"] * bool(params.top_logprobs) + params.active_penalties
+        unspeculated = (["exec"] * params.exec + ["top_logprobs"] * bool(params.top_logprobs)
+                        + ["prompt_logprobs"] * (params.prompt_logprobs is not None) + params.active_penalties)
         if unspeculated and self.speculator is not None:
             raise RequestError(f"{unspeculated[0]}: not available with speculative decoding (engine.draft_model)")
-        if params.top_logprobs > self.runner.model_cfg.vocab_size:
-            raise RequestError(f"top_logprobs: at most the vocabulary's {self.runner.model_cfg.vocab_size} ids, "
-                               f"got {params.top_logprobs}")
+        for name in ("top_logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > self.runner.model_cfg.vocab_size:
+                raise RequestError(f"{name}: at most the vocabulary's {self.runner.model_cfg.vocab_size} ids, "
+                                   f"got {getattr(params, name)}")
         self._check_penalties(params)
         vocab = self.runner.model_cfg.vocab_size
         _check_token_ids("prompt_token_ids", prompt_ids, vocab)
@@ -263,16 +281,37 @@ class Engine:
             raise RequestError("generated_logprobs: one per generated id is required")
         if request.generated_top_logprobs and len(request.generated_top_logprobs) != len(generated):
             raise RequestError("generated_top_logprobs: one list per generated id is required")
-        bad = next((i for i, x in enumerate(request.generated_logprobs)
-                    if not isinstance(x, Real) or isinstance(x, bool) or not -math.inf <= x <= 0), None)
+        bad = next((i for i, x in enumerate(request.generated_logprobs) if not _is_logprob(x)), None)
         if bad is not None:
             raise RequestError(f"generated_logprobs[{bad}]: must be a log-probability (a number <= 0), got "
                                f"{request.generated_logprobs[bad]!r:.40}")
+        self._check_scored_prompt(request)
         if request.publish_kv or request.stored_pages:
             if self._publisher is None:
                 raise RequestError("publish_kv / stored_pages: this engine has no KV store (engine.kv_store)")
             if not self.prefix_caching:
                 raise RequestError("publish_kv / stored_pages: the engine's prefix cache is off")
+
+    @staticmethod
+    def _check_scored_prompt(request: Request) -> None:
+        """A prefill worker's prompt scores: one per prompt token (None for the first), as asked."""
+        scored, tops = request.scored_prompt_logprobs, request.scored_prompt_top_logprobs
+        k = request.params.prompt_logprobs
+        if scored is None and tops is None:
+            return
+        if k is None or scored is None or (tops is not None) != bool(k):
+            raise RequestError("scored_prompt_logprobs: given only with prompt_logprobs (with their alternatives "
+                               "when prompt_logprobs > 0)")
+        if len(scored) != len(request.prompt_ids) or (tops is not None and len(tops) != len(scored)):
+            raise RequestError(f"scored_prompt_logprobs: one entry per prompt token ({len(request.prompt_ids)}) "
+                               "is required")
+        if scored[0] is not None:
+            raise RequestError(f"scored_prompt_logprobs[0]: must be null (the first token has no context), got "
+                               f"{scored[0]!r:.40}")
+        bad = next((i for i, x in enumerate(scored[1:], 1) if not _is_logprob(x)), None)
+        if bad is not None:
+            raise RequestError(f"scored_prompt_logprobs[{bad}]: must be a log-probability (a number <= 0), got "
+                               f"{scored[bad]!r:.40}")
 
     def generate(
         self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
@@ -292,6 +331,11 @@ class Engine:
                 chunk.seq.penalty_loaded = False  # the step counted its sample: reloaded before the next
                 chunk.seq.inflight -= 1
                 chunk.seq.num_computed = min(chunk.seq.num_computed, chunk.seq.num_tokens - 1)
+        for span in step.scored if step is not None else ():  # their scores are not read: computed again
+            span.seq.prompt_scored = min(span.seq.prompt_scored, span.first)
+            span.seq.num_computed = min(span.seq.num_computed, span.first)
+            if span.seq.finish_reason is None:
+                self._scoring.add(span.seq)
 
     @property
     def kv_identity(self) -> str:
@@ -314,6 +358,8 @@ class Engine:
         self._record_guard(request)
         self._next_index += self._index_stride
         seq = self._new_sequence(self._next_index, request)
+        if seq.scoring_prompt:
+            self._scoring.add(seq)
         self.scheduler.add(seq)
         return seq
 
@@ -502,6 +548,7 @@ class Engine:
         """Ends a sequence's claims: its program, its pages and queue place, its adapter."""
         if self.executor is not None:
             self.executor.cancel(seq)
+        self._scoring.discard(seq)
         self.scheduler.finish(seq)
         if seq.adapter is not None:
             seq.adapter.users -= 1
@@ -554,6 +601,12 @@ class Engine:
         seq.logprobs = list(request.generated_logprobs) or [0.0] * len(request.generated_ids)
         if params.top_logprobs:  # a prefill worker's, else none (not sampled here)
             seq.top_logprobs = list(request.generated_top_logprobs) or [[] for _ in request.generated_ids]
+        if params.prompt_logprobs is not None:  # scored here, or by a prefill worker
+            seq.prompt_logprobs = list(request.scored_prompt_logprobs or [None] * len(request.prompt_ids))
+            if params.prompt_logprobs:
+                seq.prompt_top_logprobs = list(request.scored_prompt_top_logprobs or [[] for _ in request.prompt_ids])
+            if request.scored_prompt_logprobs is not None:
+                seq.prompt_scored = len(request.prompt_ids) - 1
         for token in seq.output_ids if detokenizer else ():
             detokenizer.push(token)
         if self.executor is not None:  # a prompt that ends with a program runs it before generating
@@ -570,13 +623,14 @@ class Engine:
         previous = self._inflight.result if self._inflight is not None else None
         self._load_penalty_slots(chunks)
         batch = self._build_batch(chunks)
+        scored = self._fill_prompt_scoring(batch, chunks)
         result = self.runner.dispatch(batch, previous)
         for row, chunk in enumerate(chunks):
             if chunk.samples:
                 chunk.seq.inflight += 1
                 chunk.seq.last_row = row
         self._count_launch(chunks, batch)
-        return _InflightStep(chunks, result, self.stats.steps)
+        return _InflightStep(chunks, result, self.stats.steps, scored)
 
     def _build_batch(self, chunks: list[ScheduledChunk], drafts: list[list[int]] | None = None) -> HostBatch:
         """The step's padded arrays; `drafts[row]` (speculative proposals) follow that row's chunk.
@@ -654,6 +708,51 @@ class Engine:
             if banned:
                 batch.banned[row, : len(banned)] = banned
 
+    # -- prompt logprobs (engine/prompt_logprobs.py) ---------------------------------------------
+    def _fill_prompt_scoring(self, batch: HostBatch, chunks: list[ScheduledChunk]) -> list[_ScoredSpan]:
+        """Asks the step to score the prompt positions of the chunks that no earlier step scored."""
+        if not self._scoring:  # the common case costs no walk over the batch
+            return []
+        spans, offset = [], 0
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq in self._scoring:
+                span = self._score_chunk(batch, chunk, offset)
+                spans += [span] if span is not None else []
+                if not seq.scoring_prompt:
+                    self._scoring.discard(seq)
+            offset += chunk.count
+        return spans
+
+    @staticmethod
+    def _score_chunk(batch: HostBatch, chunk: ScheduledChunk, offset: int) -> _ScoredSpan | None:
+        """Targets for the chunk's positions from the sequence's first unscored one (position p: token p + 1)."""
+        seq = chunk.seq
+        assert chunk.start <= seq.prompt_scored, "a prompt position was skipped unscored"
+        first, end = seq.prompt_scored, min(chunk.start + chunk.count, len(seq.prompt_ids) - 1)
+        if first >= end:
+            return None
+        at = offset + first - chunk.start
+        batch.prompt_targets[at : at + end - first] = seq.prompt_ids[first + 1 : end + 1]
+        batch.prompt_alternatives[at : at + end - first] = seq.params.prompt_logprobs
+        seq.prompt_scored = end
+        return _ScoredSpan(seq, at, first, end - first)
+
+    @staticmethod
+    def _record_prompt_scores(step: _InflightStep) -> None:
+        """Writes a read-back step's prompt scores into their sequences."""
+        if not step.scored:
+            return
+        values, ids, logprobs = step.result.fetch_prompt()
+        for span in step.scored:
+            seq, rows = span.seq, slice(span.offset, span.offset + span.count)
+            seq.prompt_logprobs[span.first + 1 : span.first + 1 + span.count] = values[rows].tolist()
+            k = seq.params.prompt_logprobs
+            if k:
+                seq.prompt_top_logprobs[span.first + 1 : span.first + 1 + span.count] = [
+                    list(zip(row_ids, row_logprobs, strict=True))
+                    for row_ids, row_logprobs in zip(ids[rows, :k].tolist(), logprobs[rows, :k].tolist(), strict=True)]
+
     # -- penalties -----------------------------------------------------------------------------
     def _claim_penalty_slot(self, seq: Sequence) -> bool:
         """On admission, a slot for a sequence with penalties; False while none is free (engines that
@@ -706,6 +805,7 @@ class Engine:
         tokens, logprobs = step.result.fetch()
         top = step.result.fetch_top()  # read with the tokens
         waited = time.perf_counter() - started
+        self._record_prompt_scores(step)  # before a sample can finish its sequence
         if self._publisher is not None:
             self._publisher.write_ready(step.number)  # not the copies queued after the step in flight
         for row, chunk in enumerate(step.chunks):
@@ -779,6 +879,8 @@ class Engine:
             usage=Usage(len(seq.prompt_ids), len(seq.output_ids), max(seq.cached_tokens, 0)),
             logprobs=list(seq.logprobs) if seq.params.logprobs else None,
             top_logprobs=list(seq.top_logprobs) if seq.params.top_logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            prompt_top_logprobs=list(seq.prompt_top_logprobs) if seq.prompt_top_logprobs is not None else None,
             request_id=seq.request.request_id,
             forged_tokens=seq.request.forged_tokens,
         )

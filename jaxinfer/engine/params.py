@@ -36,6 +36,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0  # with logprobs: the most likely ids at each position and their logprobs
+    # Each prompt token's logprob given those before it (None: off); k > 0 adds the k most likely ids there.
+    prompt_logprobs: int | None = None
     num_draft_tokens: int | None = None  # speculative proposals per round: None = the engine's, 0 = off
     exec: bool = False  # run the programs this request writes in <|exec|> blocks (engine.exec_slots > 0)
     exec_max_instructions: int | None = None  # fuel per program; None = the engine's cap (also the maximum)
@@ -70,6 +72,8 @@ class SamplingParams:
         _int_field("top_logprobs", self.top_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         if self.top_logprobs and not self.logprobs:
             raise RequestError("top_logprobs: needs logprobs true")
+        if self.prompt_logprobs is not None:
+            _int_field("prompt_logprobs", self.prompt_logprobs, low=0, high=MAX_TOP_LOGPROBS)
         _int_field("min_tokens", self.min_tokens, low=0, high=self.max_tokens)
         _float_field("temperature", self.temperature, low=0.0, high=100.0)
         _float_field("top_p", self.top_p, low=0.0, high=1.0, low_open=True)
@@ -162,6 +166,10 @@ class Request:
     generated_logprobs: list[float] = field(default_factory=list)
     generated_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs
     stored_pages: int = 0
+    # With prompt_logprobs: the prompt as the prefill worker scored it (RequestOutput's fields), so the
+    # decode worker reads its stored pages instead of computing the prompt again to score it.
+    scored_prompt_logprobs: list[float | None] | None = None
+    scored_prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -180,6 +188,10 @@ class RequestOutput:
     # With top_logprobs: per token, the (id, logprob) pairs of the most likely ids under the raw model,
     # most likely first ([] for a token this engine did not sample: a program's result, a handed-off id).
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With prompt_logprobs: per prompt token, its logprob given the tokens before it (None for the first),
+    # and with prompt_logprobs k > 0 the k most likely ids at its position ([] for the first).
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     request_id: str = ""
     forged_tokens: int = 0
     stored_pages: int = 0  # prompt pages written to the KV store (requests with `publish_kv`)

@@ -50,16 +50,33 @@ def sample(logits: jax.Array, params: SamplingInputs, penalized: jax.Array | Non
 def top_logprobs(logits: jax.Array, wanted: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
     """The `count` most likely ids of each row under the raw model and their logprobs, [S, count] each;
     zeros unless some row wants them (`wanted` [S] > 0), so a batch without them skips the search."""
-
-    def search() -> tuple[jax.Array, jax.Array]:
-        # The ids of the largest logits, less the row's log-normalizer: log_softmax's arithmetic (so the
-        # sampled id's value equals its logprob) without writing the whole [S, V] log-softmax first.
-        top = jnp.max(logits, axis=-1, keepdims=True)
-        values, ids = lax.top_k(logits, count)
-        return ids.astype(jnp.int32), (values - top) - jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True))
-
     nothing = (jnp.zeros((logits.shape[0], count), jnp.int32), jnp.zeros((logits.shape[0], count), logits.dtype))
-    return lax.cond(jnp.any(wanted > 0), search, lambda: nothing)
+    return lax.cond(jnp.any(wanted > 0), lambda: most_likely(logits, Normalizer.of(logits), count), lambda: nothing)
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalizer:
+    """Each row's maximum logit and log-sum-exp of the logits less it, [S, 1] each: an id's logprob is
+    (logit - top) - log_sum, log_softmax's own arithmetic (so equal to it bit for bit) without writing
+    the whole [S, V] log-softmax."""
+
+    top: jax.Array
+    log_sum: jax.Array
+
+    @classmethod
+    def of(cls, logits: jax.Array) -> Normalizer:
+        top = jnp.max(logits, axis=-1, keepdims=True)
+        return cls(top, jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1, keepdims=True)))
+
+    def logprobs(self, values: jax.Array) -> jax.Array:
+        """Logits of the rows ([S, k]) as logprobs."""
+        return (values - self.top) - self.log_sum
+
+
+def most_likely(logits: jax.Array, normalizer: Normalizer, count: int) -> tuple[jax.Array, jax.Array]:
+    """The ids of each row's `count` largest logits and their logprobs, [S, count] each."""
+    values, ids = lax.top_k(logits, count)
+    return ids.astype(jnp.int32), normalizer.logprobs(values)
 
 
 def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:

@@ -9,7 +9,9 @@ gives its pages back and later recomputes its prompt and output so far.
 Prefix cache: on admission a sequence takes the longest chain of cached full pages (keys from
 `kv/prefix_cache.py`) and computes only the rest; every full page whose ids are known is
 published. When the first missing page is being computed by a running sequence (one long system
-prompt shared by a batch), the newcomer waits for it instead of computing it again.
+prompt shared by a batch), the newcomer waits for it instead of computing it again. A sequence whose
+prompt is being scored (prompt_logprobs) takes cached pages only as far as it was scored: a cached
+page is not computed, so it could not be scored.
 
 Lower KV tiers: the chain continues in L2 (host memory, read at once) and L3 (the KV store). Pages
 the store holds are read asynchronously: the sequence stays in the queue, others keep running,
@@ -208,6 +210,8 @@ class Scheduler:
         # With the cache off nothing is looked up or waited for: no keys, so no pending pages either.
         keys = chain_keys(seq.tokens(0, seq.num_tokens), page_size, seq.cache_salt) if self.prefix_caching else []
         usable = (seq.num_tokens - 1) // page_size if self.prefix_caching else 0
+        if seq.scoring_prompt:  # only pages whose positions were scored already
+            usable = min(usable, seq.prompt_scored // page_size)
         if self._reading_store(seq, keys[:usable]):
             return False
         pages = self.pool.lookup(keys[:usable])

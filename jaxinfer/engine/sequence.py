@@ -51,6 +51,10 @@ class Sequence:
     adapter: AdapterInfo | None = None  # the LoRA adapter it runs with (counted in its `users` until released)
     penalty_slot: int | None = None  # its row of the runner's penalty counts, while running with penalties
     penalty_loaded: bool = False  # whether that row holds its ids (else it is loaded before its next step)
+    # With prompt_logprobs: entry i is prompt token i's logprob (and most likely ids) given those before it.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_scored: int = 0  # prompt positions that dispatched steps score (position p scores token p + 1)
 
     @property
     def adapter_slot(self) -> int:
@@ -94,6 +98,12 @@ class Sequence:
         if start >= split:
             return self.output_ids[start - split : start - split + count]
         return (self.prompt_ids[start : start + count] + self.output_ids)[:count]
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether prompt positions are still to be scored (prompt_logprobs): none of them may come from the
+        prefix cache, which is not computed."""
+        return self.prompt_logprobs is not None and self.prompt_scored < len(self.prompt_ids) - 1
 
     def wants_token(self, max_model_len: int) -> bool:
         """Whether another sample could still be kept (no length limit reached counting in-flight ids)."""

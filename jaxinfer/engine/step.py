@@ -33,6 +33,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
 from jaxinfer.engine.params import MAX_TOP_LOGPROBS
 from jaxinfer.engine.penalties import PenaltyInputs, count_sampled, load_row, penalize
+from jaxinfer.engine.prompt_logprobs import PromptScoring, score_prompt
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample, top_logprobs
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
@@ -59,6 +60,7 @@ class StepInputs:
     penalties: PenaltyInputs
     top_logprobs: jax.Array  # [S] int32: how many alternatives the row wants (0: none)
     adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
+    prompt: PromptScoring  # the prompt positions to score (engine/prompt_logprobs.py)
 
 
 @dataclasses.dataclass
@@ -85,6 +87,8 @@ class HostBatch:
     presence_penalty: np.ndarray
     top_logprobs: np.ndarray
     adapters: np.ndarray
+    prompt_targets: np.ndarray
+    prompt_alternatives: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +105,7 @@ class HostBatch:
         penalties = PenaltyInputs(self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
                                   self.presence_penalty)
         return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, penalties, self.top_logprobs,
-                          self.adapters)
+                          self.adapters, PromptScoring(self.prompt_targets, self.prompt_alternatives))
 
     def packed(self) -> PackedInputs:
         """The arrays as one int32 buffer: one host-to-device copy per step instead of one per array."""
@@ -141,7 +145,10 @@ class StepResult:
     logprobs: jax.Array  # [max_seqs] float32
     rows: int
     top: tuple[jax.Array, jax.Array] | None = None  # [max_seqs, MAX_TOP_LOGPROBS] ids, logprobs (rows asked)
+    # Scored prompt positions (some asked): [T] target logprobs, [T, MAX_TOP_LOGPROBS] ids and logprobs.
+    prompt: tuple[jax.Array, jax.Array, jax.Array] | None = None
     _top_host: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, init=False, repr=False)
+    _prompt_host: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, init=False, repr=False)
     exec_report: ExecReport | None = None  # the processor's slots after this step (when it has any)
     number: int = -1  # dispatch order on its runner (followers of a process group replay by it)
 
@@ -150,14 +157,20 @@ class StepResult:
 
     def fetch(self) -> tuple[np.ndarray, np.ndarray]:
         """Waits for the step and returns (sampled token per row, its logprob) on the host; the
-        alternatives, when some row asked, come in the same read (`fetch_top`)."""
-        tokens, logprobs, top = jax.device_get((self.tokens, self.logprobs, self.top))  # explicit: guard allows it
+        alternatives and prompt scores, when asked for, come in the same read (`fetch_top`, `fetch_prompt`)."""
+        # explicit: the transfer guard allows it
+        tokens, logprobs, top, prompt = jax.device_get((self.tokens, self.logprobs, self.top, self.prompt))
         self._top_host = None if top is None else (top[0][: self.rows], top[1][: self.rows])
+        self._prompt_host = prompt
         return tokens[: self.rows], logprobs[: self.rows]
 
     def fetch_top(self) -> tuple[np.ndarray, np.ndarray] | None:
         """After `fetch`: each row's alternatives ([rows, MAX_TOP_LOGPROBS] ids and logprobs), if asked for."""
         return self._top_host
+
+    def fetch_prompt(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """After `fetch`: the scored prompt positions ([T] logprobs, [T, MAX_TOP_LOGPROBS] ids and logprobs)."""
+        return self._prompt_host
 
 
 def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs, machine=None,
@@ -173,7 +186,8 @@ def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, pa
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
     alternatives = min(MAX_TOP_LOGPROBS, logits.shape[-1])  # a tiny test vocabulary has fewer ids
     top_ids, top_values = (jnp.pad(a, (pad, (0, 0))) for a in top_logprobs(logits, inputs.top_logprobs, alternatives))
-    outputs = (caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), top_ids, top_values)
+    prompt = score_prompt(model.logits, hidden, inputs.adapters, inputs.prompt, alternatives)
+    outputs = (caches, counts, jnp.pad(tokens, pad), jnp.pad(logprobs, pad), top_ids, top_values, *prompt)
     if exec_fn is None:
         return outputs
     machine, exec_report = exec_fn(machine, code)  # the processor's slots advance in the same step
@@ -391,6 +405,8 @@ class ModelRunner:
             presence_penalty=np.zeros(rows, np.float32),
             top_logprobs=np.zeros(rows, np.int32),
             adapters=zeros_t.copy(),
+            prompt_targets=np.full(bucket, -1, np.int32),
+            prompt_alternatives=zeros_t.copy(),
         )
 
     # -- compile ---------------------------------------------------------------------------
@@ -466,16 +482,17 @@ class ModelRunner:
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
         outputs = executable(self.state, self.caches, self.penalty_counts, prev_tokens, inputs, *self._exec_args())
         self.caches, self.penalty_counts, tokens, logprobs, *top = outputs[:6]
+        prompt = tuple(outputs[6:9]) if (batch.prompt_targets >= 0).any() else None  # else zeros: not copied
         exec_report = None
         if self.exec_unit is not None:
-            self.exec_unit.state, exec_report = outputs[6:]
+            self.exec_unit.state, exec_report = outputs[9:]
             for part in exec_report:
                 part.copy_to_host_async()
-        wanted = batch.top_logprobs.any()  # else they are zeros: not copied
-        for part in (tokens, logprobs, *(top if wanted else ())):
+        top = tuple(top) if batch.top_logprobs.any() else None
+        for part in (tokens, logprobs, *(top or ()), *(prompt or ())):
             part.copy_to_host_async()
-        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), tuple(top) if wanted else None,
-                          exec_report, number)
+        return StepResult(tokens, logprobs, self.rows_for(batch.num_tokens), top, prompt, exec_report=exec_report,
+                          number=number)
 
     def replay(self, arrays: dict[str, np.ndarray], previous: StepResult | None) -> StepResult:
         """A follower's copy of a step the leader dispatched (see parallel/lockstep.py)."""
