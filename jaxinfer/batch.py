@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frequency-penalty", type=float, default=0.0, help="0: off, in [-2, 2]")
     p.add_argument("--presence-penalty", type=float, default=0.0, help="0: off, in [-2, 2]")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--prompt-logprobs", type=int, default=None, metavar="K",
+                   help="score each prompt token (its logprob given those before it), with its K most likely ids "
+                        "(0: none; at most 20)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--stats-json", help="write the run summary as one JSON object to this path")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=None)
@@ -104,6 +107,7 @@ def default_params(args: argparse.Namespace) -> dict[str, Any]:
         "frequency_penalty": args.frequency_penalty,
         "presence_penalty": args.presence_penalty,
         "seed": args.seed,
+        "prompt_logprobs": args.prompt_logprobs,
         "stop": tuple(args.stop),
         "exec": args.exec,
     }
@@ -340,7 +344,11 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
         if out.logprobs is not None:
             record["logprobs"] = out.logprobs
         if out.top_logprobs is not None:
-            record["top_logprobs"] = [[[token, logprob] for token, logprob in top] for top in out.top_logprobs]
+            record["top_logprobs"] = _pairs(out.top_logprobs)
+        if out.prompt_logprobs is not None:
+            record["prompt_logprobs"] = out.prompt_logprobs  # null for the first token
+        if out.prompt_top_logprobs is not None:
+            record["prompt_top_logprobs"] = _pairs(out.prompt_top_logprobs)
         lines.append(record)
     text = "".join(_json_line(r) for r in lines)
     if path == "-":
@@ -348,6 +356,11 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
         sys.stdout.flush()
         return
     _write_whole(path, text, "--output")
+
+
+def _pairs(tops: list[list[tuple[int, float]]]) -> list[list[list[int | float]]]:
+    """Per token, its (id, logprob) alternatives as JSON arrays."""
+    return [[[token, logprob] for token, logprob in top] for top in tops]
 
 
 def _write_whole(path: str, text: str, flag: str) -> None:

@@ -15,7 +15,7 @@ DEFAULT_MAX_TOKENS = 128
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 REASON_OF = {code: name for name, code in FINISH_REASONS.items()}
 OPTIONAL = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
-            "presence_penalty", "top_logprobs", "seed", "min_tokens", "num_draft_tokens",
+            "presence_penalty", "top_logprobs", "prompt_logprobs", "seed", "min_tokens", "num_draft_tokens",
             "exec_max_instructions", "exec_timeout_seconds", "exec_memory_pages", "exec_max_trace_tokens")
 
 
@@ -40,6 +40,24 @@ def top_logprobs_proto(tops: list[list[tuple[int, float]]]) -> list[pb.TopLogpro
 def top_logprobs_from_proto(messages) -> list[list[tuple[int, float]]]:
     """TopLogprobs messages -> per-token (id, logprob) alternatives."""
     return [list(zip(top.token_ids, top.logprobs, strict=True)) for top in messages]
+
+
+def prompt_logprobs_proto(scores: list[float | None] | None, tops: list[list[tuple[int, float]]] | None
+                          ) -> dict[str, list]:
+    """A scored prompt (RequestOutput's fields) as a response's fields: its tokens after the first. Empty
+    when there are none, or while some token is unscored (a request aborted before its first token)."""
+    if scores is None or None in scores[1:]:
+        return {}
+    return {"prompt_logprobs": scores[1:], "prompt_top_logprobs": top_logprobs_proto((tops or [])[1:])}
+
+
+def prompt_logprobs_from_proto(message, wanted: int | None) -> tuple[list[float | None] | None,
+                                                                    list[list[tuple[int, float]]] | None]:
+    """A response's prompt scores (when `wanted`: the request's prompt_logprobs) as RequestOutput's fields."""
+    if wanted is None:
+        return None, None
+    tops = [[], *top_logprobs_from_proto(message.prompt_top_logprobs)] if wanted else None
+    return [None, *message.prompt_logprobs], tops
 
 
 def sampling_proto(params: SamplingParams) -> pb.SamplingParams:

@@ -35,6 +35,8 @@ from serving.convert import (
     REASON_OF,
     check_request_id,
     delta_failure,
+    prompt_logprobs_from_proto,
+    prompt_logprobs_proto,
     sampling_params,
     sampling_proto,
     submit_refusal,
@@ -150,6 +152,7 @@ class PrefillService:
         return pb.PrefillResponse(
             token_ids=out.token_ids, logprobs=out.logprobs or [], stored_pages=out.stored_pages, text=out.text,
             top_logprobs=top_logprobs_proto(out.top_logprobs or []),
+            **prompt_logprobs_proto(out.prompt_logprobs, out.prompt_top_logprobs),
             finish_reason=FINISH_REASONS[done] if done else pb.FINISH_REASON_UNSPECIFIED,
             usage=pb.Usage(prompt_tokens=out.usage.prompt_tokens, completion_tokens=out.usage.completion_tokens,
                            cached_tokens=out.usage.cached_tokens))
@@ -211,7 +214,8 @@ class PrefillRouter:
             done = REASON_OF.get(reply.finish_reason)
             return Handoff(request, list(reply.token_ids), list(reply.logprobs) or [0.0] * len(reply.token_ids),
                            reply.stored_pages, done, reply.text, reply.usage.cached_tokens,
-                           top_logprobs_from_proto(reply.top_logprobs))
+                           top_logprobs_from_proto(reply.top_logprobs),
+                           *prompt_logprobs_from_proto(reply, request.params.prompt_logprobs))
         if deadline is not None and loop.time() >= deadline:
             raise passed
         self.local += 1
@@ -232,5 +236,6 @@ def finished_output(handoff: Handoff) -> RequestOutput:
                          logprobs=handoff.generated_logprobs if request.params.logprobs else None,
                          top_logprobs=(list(handoff.generated_top_logprobs) or [[] for _ in handoff.generated_ids]
                                        if request.params.top_logprobs else None),
+                         prompt_logprobs=handoff.prompt_logprobs, prompt_top_logprobs=handoff.prompt_top_logprobs,
                          request_id=request.request_id, forged_tokens=request.forged_tokens)
 

@@ -23,6 +23,7 @@ from serving.convert import (
     FINISH_REASONS,
     check_request_id,
     delta_failure,
+    prompt_logprobs_proto,
     sampling_params,
     submit_refusal,
     top_logprobs_proto,
@@ -234,7 +235,8 @@ class InferenceService(pb_grpc.InferenceServicer):
         if passed.finish_reason is not None:
             out = finished_output(passed)
             return passed.request, Delta(out.text, out.token_ids, out.logprobs or [], final=out,
-                                         top_logprobs=out.top_logprobs or [])
+                                         top_logprobs=out.top_logprobs or [], prompt_logprobs=out.prompt_logprobs,
+                                         prompt_top_logprobs=out.prompt_top_logprobs)
         return decode_request(passed), None
 
     def _observe_latency(self, delta: Delta, started: float, last: float | None) -> float | None:
@@ -258,7 +260,8 @@ class InferenceService(pb_grpc.InferenceServicer):
     def _response(request_id: str, engine_req: Request, delta: Delta) -> pb.GenerateResponse:
         response = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
                                        logprobs=delta.logprobs, forged_tokens=engine_req.forged_tokens,
-                                       top_logprobs=top_logprobs_proto(delta.top_logprobs))
+                                       top_logprobs=top_logprobs_proto(delta.top_logprobs),
+                                       **prompt_logprobs_proto(delta.prompt_logprobs, delta.prompt_top_logprobs))
         if delta.final is not None:
             out = delta.final
             response.finish_reason = FINISH_REASONS[out.finish_reason]

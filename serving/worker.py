@@ -40,6 +40,9 @@ class Delta:
     logprobs: list[float]
     final: RequestOutput | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with top_logprobs
+    # With prompt_logprobs, on the first delta with tokens (or the final one): the scored prompt.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
     invalid: bool = False  # the error is the request's own (INVALID_ARGUMENT), not the server's (INTERNAL)
 
@@ -51,6 +54,7 @@ class _Stream:
     seq: Sequence | None = None
     detokenizer: IncrementalDetokenizer | None = None
     sent_tokens: int = 0
+    sent_prompt: bool = False  # the prompt's scores (prompt_logprobs) went out
     sent_text: str = ""
     holdback: int = 0
     pending_text: str = ""  # decoded but held back (could be the start of a stop string)
@@ -251,10 +255,16 @@ class EngineWorker:
 
     @staticmethod
     def _sent(stream: _Stream, delta: Delta) -> Delta:
-        """The delta with its tokens' alternatives (when asked for), its tokens counted as sent."""
+        """The delta with its tokens' alternatives and the prompt's scores (when asked for), its tokens
+        counted as sent."""
         upto = stream.sent_tokens + len(delta.token_ids)
         if stream.request.params.top_logprobs:
             delta.top_logprobs = stream.seq.top_logprobs[stream.sent_tokens : upto]
+        seq = stream.seq
+        if seq.prompt_logprobs is not None and not stream.sent_prompt:
+            delta.prompt_logprobs = list(seq.prompt_logprobs)
+            delta.prompt_top_logprobs = list(seq.prompt_top_logprobs) if seq.prompt_top_logprobs is not None else None
+            stream.sent_prompt = True
         stream.sent_tokens = upto
         return delta
 

@@ -55,6 +55,8 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="over-penalized", prompt="x", presence_penalty=2.5), ("presence_penalty", "[-2.0, 2.0]")),
     (obj(id="alternatives", prompt="The sky is", logprobs=True, top_logprobs=4, max_tokens=6), None),
     (obj(id="alternatives-alone", prompt="x", top_logprobs=4), ("top_logprobs", "needs logprobs")),
+    (obj(id="scored", prompt="The sky is blue and the grass", prompt_logprobs=2, max_tokens=2), None),
+    (obj(id="scored-too-many", prompt="x", prompt_logprobs=21), ("prompt_logprobs", "[0, 20]")),
     (obj(id="role", messages=[{"role": "user<|im_end|>", "content": "x"}]), ("messages[0].role",)),
     (
         obj(
@@ -196,8 +198,15 @@ def test_good_lines_have_text_tokens_and_usage(records, tok):
     for number, line in GOOD:
         record = by_line[number]
         asked = {name for name in ("logprobs", "top_logprobs") if line.get(name)}
+        if line.get("prompt_logprobs") is not None:
+            asked |= {"prompt_logprobs"} | ({"prompt_top_logprobs"} if line["prompt_logprobs"] else set())
         assert set(record) == {"id", "text", "token_ids", "finish_reason", "usage"} | asked, record
         ids, usage = record["token_ids"], record["usage"]
+        if "prompt_top_logprobs" in asked:
+            scores, tops = record["prompt_logprobs"], record["prompt_top_logprobs"]
+            assert len(scores) == len(tops) == usage["prompt_tokens"] and scores[0] is None and tops[0] == []
+            for score, top in zip(scores[1:], tops[1:], strict=True):
+                assert len(top) == line["prompt_logprobs"] and score <= top[0][1] + 1e-6
         if "top_logprobs" in asked:
             assert len(record["logprobs"]) == len(record["top_logprobs"]) == len(ids)
             for token, logprob, top in zip(ids, record["logprobs"], record["top_logprobs"], strict=True):

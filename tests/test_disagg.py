@@ -18,6 +18,7 @@ from servers import RunningServer, self_signed
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.disagg import Handoff, decode_request, settled, with_seed
+from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.params import Request
 from serving.convert import sampling_proto
 from serving.disagg import DeadlinePassed, PrefillRouter, finished_output
@@ -133,6 +134,27 @@ def test_the_first_token_s_top_logprobs_come_with_the_hand_off(kv_llm, prefill):
     one = dataclasses.replace(request, params=dataclasses.replace(params, max_tokens=1))
     ended, _, _ = route(prefill.target, one)
     assert ended.finish_reason == "length" and finished_output(ended).top_logprobs == ended.generated_top_logprobs
+
+
+def test_the_prompt_scored_by_the_prefill_worker_comes_with_the_hand_off(kv_llm, prefill):
+    """The prefill worker scores the prompt (prompt_logprobs): the scores travel in the reply and come out
+    of the decode worker (which then need not compute the prompt again: test_kv_tiers.py)."""
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=2)
+    request = kv_llm.request("Tides, scored: " + TEXT, params)
+    whole = Engine(kv_llm.runner, kv_llm.tokenizer, kv_llm.max_model_len, prefix_caching=False).generate(
+        [kv_llm.request("Tides, scored: " + TEXT, params)])[0]
+    passed, remote, _ = route(prefill.target, request)
+    assert remote == 1 and len(passed.prompt_logprobs) == len(request.prompt_ids) and passed.stored_pages > 0
+    (out,) = kv_llm.engine.generate([decode_request(passed)])
+    assert out.token_ids == whole.token_ids
+    assert out.prompt_logprobs[0] is None
+    np.testing.assert_allclose(out.prompt_logprobs[1:], whole.prompt_logprobs[1:], atol=1e-5)
+    assert [[t for t, _ in top] for top in out.prompt_top_logprobs] == \
+        [[t for t, _ in top] for top in whole.prompt_top_logprobs]
+    one = dataclasses.replace(request, params=dataclasses.replace(params, max_tokens=1))
+    ended, _, _ = route(prefill.target, one)
+    assert ended.finish_reason == "length"
+    np.testing.assert_allclose(finished_output(ended).prompt_logprobs[1:], whole.prompt_logprobs[1:], atol=1e-5)
 
 
 def test_a_finished_hand_off_reports_the_prompt_tokens_found_cached(kv_llm, prefill):

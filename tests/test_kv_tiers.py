@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from conftest import engine_toml
 
 from jaxinfer import SamplingParams
@@ -155,12 +156,14 @@ def test_a_store_read_holds_only_its_own_request(smollm2_llm, tmp_path):
     assert metrics["kv_l3_hits"] == store.num_pages
 
 
-def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_path):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2])
+def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_path, prompt_logprobs):
     """A prefill engine computes the prompt and the first id and stores the pages; a decode engine that
-    starts with an empty device pool maps them and continues: the same greedy output as one engine."""
+    starts with an empty device pool maps them and continues: the same greedy output as one engine.
+    A scored prompt (prompt_logprobs) is handed off scored, so the decode engine maps its pages too."""
     from jaxinfer.engine.disagg import decode_request, handoff, prefill_request, with_seed
 
-    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7)
+    params = SamplingParams(max_tokens=10, temperature=0.8, top_k=20, seed=7, prompt_logprobs=prompt_logprobs)
     chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "How far does the beam reach?"}]
     request = smollm2_llm.chat_request(chat, params)
     single = engine_on(smollm2_llm, prefix_caching=False).generate([request])[0]
@@ -182,6 +185,9 @@ def test_prefill_and_decode_engines_hand_off_through_the_store(smollm2_llm, tmp_
     assert out.usage.cached_tokens == decode.stats.prefix_hit_tokens_l3 == first.stored_pages * page
     assert decode.stats.prompt_tokens_computed == len(request.prompt_ids) - first.stored_pages * page
     assert decode.pool.num_free == decode.pool.capacity
+    if prompt_logprobs is not None:
+        assert out.prompt_logprobs == first.prompt_logprobs and out.prompt_top_logprobs == first.prompt_top_logprobs
+        np.testing.assert_allclose(out.prompt_logprobs[1:], single.prompt_logprobs[1:], atol=1e-5)
 
 
 def stored_prompt(llm, store: PageStore, question: str):

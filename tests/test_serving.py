@@ -94,6 +94,20 @@ def test_streamed_top_logprobs_come_with_their_tokens(smollm2_llm, client):
                                [[v for _, v in top] for top in want.top_logprobs], rtol=1e-6)
 
 
+def test_the_scored_prompt_comes_with_the_first_tokens(smollm2_llm, client):
+    prompt = "The capital of France is"
+    want = smollm2_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2))[0]
+    first, *rest = list(client.stream(prompt, max_tokens=6, temperature=0.0, prompt_logprobs=2))
+    assert first.token_ids and all(not d.prompt_logprobs and not d.prompt_top_logprobs for d in rest)
+    np.testing.assert_allclose(first.prompt_logprobs, want.prompt_logprobs[1:], rtol=1e-6)
+    assert [list(top.token_ids) for top in first.prompt_top_logprobs] == \
+        [[t for t, _ in top] for top in want.prompt_top_logprobs[1:]]
+    np.testing.assert_allclose([list(top.logprobs) for top in first.prompt_top_logprobs],
+                               [[v for _, v in top] for top in want.prompt_top_logprobs[1:]], rtol=1e-6)
+    unscored = list(client.stream(prompt, max_tokens=2, temperature=0.0))
+    assert not any(d.prompt_logprobs for d in unscored)
+
+
 def test_stop_strings_are_never_streamed(smollm2_llm, client):
     free = smollm2_llm.generate(["Count: one, two,"], SamplingParams(max_tokens=10, temperature=0.0))[0]
     stop = free.text[4:7]
@@ -114,6 +128,7 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(text="hi", sampling=pb.SamplingParams(frequency_penalty=-3)), "frequency_penalty"),
         (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=21, logprobs=True)), "top_logprobs: must be in"),
         (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=2)), "top_logprobs: needs logprobs true"),
+        (dict(text="hi", sampling=pb.SamplingParams(prompt_logprobs=21)), "prompt_logprobs: must be in"),
         (dict(token_ids=pb.TokenIds(ids=[1, 10**9])), "prompt_token_ids"),
         (dict(parts=pb.PromptParts(parts=[pb.PromptPart(special="<|nope|>")])), "nope"),
         (dict(text="word " * 9000), "prompt"),
