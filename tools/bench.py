@@ -7,6 +7,7 @@
     python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
     python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
     python tools/bench.py penalties                 # batch 32 with no, half and all rows penalized
+    python tools/bench.py scoring                   # 64 prompts scored (prompt_logprobs) vs unscored, vs HF forward
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
     python tools/bench.py spec                      # speculative decoding vs none, batch 1 and 8, 128 new tokens
@@ -240,6 +241,45 @@ def bench_penalties(args: argparse.Namespace, llm=None) -> None:
     none = float(np.mean(rates[0.0]))
     emit(dict(what="ratio", workload="penalties", half_over_none=round(rates[0.5][0] / none, 3),
               all_over_none=round(rates[1.0][0] / none, 3)))
+
+
+# -- scoring: prompt logprobs (what an evaluation harness asks for loglikelihoods) ------------------------
+def bench_scoring(args: argparse.Namespace, llm=None) -> None:
+    """`--requests` prompts of `--min-len`..`--max-len` random tokens, one new token each: unscored, scored
+    (prompt_logprobs 0) and scored with 5 alternatives; prompt tokens per second, and transformers scoring
+    the same prompts in padded batches (tools/hf_offline_peer.py --score)."""
+    from jaxinfer import SamplingParams
+
+    llm = llm or load_llm(args)
+    lengths = np.random.default_rng(1).integers(args.min_len, args.max_len + 1, args.requests).tolist()
+    prompts = random_prompts(llm, lengths, seed=2)
+    settings = {"unscored": None, "scored": 0, "scored_top5": 5}
+    fresh_engine(llm, prefix_caching=False).generate(
+        [llm.request(p, SamplingParams(max_tokens=1, prompt_logprobs=5)) for p in prompts[:8]])
+    rates, first = {}, None
+    for name, k in settings.items():
+        engine = fresh_engine(llm, prefix_caching=False)
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+        seconds, outputs = timed_generate(engine, [llm.request(p, params) for p in prompts])
+        rates[name] = sum(lengths) / seconds
+        first = outputs[0].prompt_logprobs[1:5] if k is not None else first
+        emit(dict(what="jaxinfer_scoring", setting=name, prompt_logprobs=k, requests=len(prompts),
+                  prompt_tokens=sum(lengths), s=round(seconds, 2), prompt_tok_per_s=round(rates[name], 1),
+                  **step_summary(engine)))
+    emit(dict(what="ratio", workload="scoring", scored_over_unscored=round(rates["scored"] / rates["unscored"], 3),
+              top5_over_unscored=round(rates["scored_top5"] / rates["unscored"], 3),
+              first_scores=[round(v, 4) for v in first]))
+    if args.no_peer:
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    try:
+        for hf_batch in args.hf_batch:
+            for record in run_peer([sys.executable, str(OFFLINE_PEER), f.name, "--score", "--batch", str(hf_batch)]):
+                emit(dict(what="ratio", workload="scoring", hf_batch=hf_batch,
+                          jaxinfer_scored_over_hf=round(rates["scored"] / record["prompt_tok_per_s"], 2)))
+    finally:
+        os.unlink(f.name)
 
 
 # -- gemm: the matmul ceiling of this backend on SmolLM2's shapes ------------------------------------
@@ -630,7 +670,8 @@ def main() -> None:
     processor_bench.add_arguments(sub.add_parser("processor", description=processor_bench.__doc__.splitlines()[0],
                                                  epilog=processor_bench.ISSUE_SCALE))
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
-                 "tiers": bench_tiers, "disagg": bench_disagg, "penalties": bench_penalties, "all": bench_all}
+                 "tiers": bench_tiers, "disagg": bench_disagg, "penalties": bench_penalties, "scoring": bench_scoring,
+                 "all": bench_all}
     for name in workloads:
         w = sub.add_parser(name)
         w.add_argument("--requests", type=int, default=64)
