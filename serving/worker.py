@@ -40,7 +40,7 @@ class Delta:
     logprobs: list[float]
     final: RequestOutput | None = None
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # per token, with top_logprobs
-    # With prompt_logprobs, on the first delta with tokens (or the final one): the scored prompt.
+    # With prompt_logprobs, on the first delta once the prompt is scored (or the final one): the scored prompt.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     error: str | None = None
@@ -261,7 +261,10 @@ class EngineWorker:
         if stream.request.params.top_logprobs:
             delta.top_logprobs = stream.seq.top_logprobs[stream.sent_tokens : upto]
         seq = stream.seq
-        if seq.prompt_logprobs is not None and not stream.sent_prompt:
+        # With the first delta once every position is scored (an id handed off from a prefill worker can
+        # come before), or the final one.
+        if (seq.prompt_logprobs is not None and not stream.sent_prompt
+                and (delta.final is not None or None not in seq.prompt_logprobs[1:])):
             delta.prompt_logprobs = list(seq.prompt_logprobs)
             delta.prompt_top_logprobs = list(seq.prompt_top_logprobs) if seq.prompt_top_logprobs is not None else None
             stream.sent_prompt = True

@@ -167,6 +167,14 @@ def test_penalties_are_refused_with_exec(exec_llm: LLM) -> None:
         exec_llm.generate(["hi"], greedy(exec=True, frequency_penalty=0.5))
 
 
+def test_prompt_logprobs_are_refused_with_exec(exec_llm: LLM) -> None:
+    """A prompt that ends with a program gets its result before the prompt is computed: its output could
+    end before any prompt position is scored."""
+    with pytest.raises(RequestError, match="prompt_logprobs: not available with exec"):
+        exec_llm.generate(["hi"], greedy(exec=True, prompt_logprobs=0))
+    assert exec_llm.generate(["hi"], greedy(prompt_logprobs=0))[0].prompt_logprobs[0] is None
+
+
 def test_audit_log_records_each_program(exec_llm: LLM, caplog: pytest.LogCaptureFixture) -> None:
     import json
 

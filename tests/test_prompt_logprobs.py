@@ -149,6 +149,31 @@ def test_out_of_range_prompt_logprobs_name_the_field_and_the_limit(value, messag
         SamplingParams(prompt_logprobs=value)
 
 
+def test_blocks_of_a_large_bucket_score_as_one_log_softmax():
+    """300 tokens: three 128-token blocks, the last padded; positions asked in two of them, alternatives
+    in one; the rest zeros."""
+    import jax.numpy as jnp
+
+    from jaxinfer.engine.prompt_logprobs import PromptScoring, score_prompt
+
+    rng = np.random.default_rng(0)
+    hidden, head = rng.normal(size=(300, 16)).astype(np.float32), rng.normal(size=(16, 40)).astype(np.float32)
+    targets, alternatives = np.full(300, -1, np.int32), np.zeros(300, np.int32)
+    targets[5:20], targets[250:299] = rng.integers(0, 40, 15), rng.integers(0, 40, 49)
+    alternatives[260:270] = 3
+    values, ids, top = score_prompt(lambda h, a: h @ head, jnp.asarray(hidden), jnp.zeros(300, jnp.int32),
+                                    PromptScoring(jnp.asarray(targets), jnp.asarray(alternatives)), 6)
+    logits = hidden @ head
+    reference = logits - logits.max(-1, keepdims=True)
+    reference -= np.log(np.exp(reference).sum(-1, keepdims=True))
+    asked = targets >= 0
+    np.testing.assert_allclose(np.asarray(values)[asked], reference[asked, targets[asked]], atol=1e-5)
+    assert not np.asarray(values)[~asked].any()
+    np.testing.assert_array_equal(np.asarray(ids)[260:270], np.argsort(-reference[260:270], axis=-1)[:, :6])
+    np.testing.assert_allclose(np.asarray(top)[260:270], -np.sort(-reference[260:270], axis=-1)[:, :6], atol=1e-5)
+    assert not np.asarray(ids)[:128].any()  # a block that asks for no alternatives computes none
+
+
 def test_a_prefill_workers_scores_are_checked(smollm2_llm):
     """A decode worker's request may carry the prompt as the prefill worker scored it, whole and sound."""
     import dataclasses
@@ -160,6 +185,18 @@ def test_a_prefill_workers_scores_are_checked(smollm2_llm):
              ([-1.0] * n, None, r"scored_prompt_logprobs\[0\]: must be null"),
              ([None, 0.5] + [-1.0] * (n - 2), None, r"scored_prompt_logprobs\[1\]: must be a log-probability"),
              ([None] + [-1.0] * (n - 1), [[]] * n, "given only with prompt_logprobs")]
+    with_top = dataclasses.replace(request, params=dataclasses.replace(PARAMS[1], prompt_logprobs=1))
+    good_top = [[]] + [[(7, -0.5)]] * (n - 1)
+    for tops, message in [(good_top, ""), ([[(7, -0.5)]] * n, r"scored_prompt_top_logprobs\[0\]: must be empty"),
+                          ([[]] + [[(10**6, -0.5)]] * (n - 1), r"scored_prompt_top_logprobs\[1\]: must be 1 \(id"),
+                          ([[]] + [[(7, 0.5)]] * (n - 1), r"scored_prompt_top_logprobs\[1\]")]:
+        handed = dataclasses.replace(with_top, scored_prompt_logprobs=[None] + [-1.0] * (n - 1),
+                                     scored_prompt_top_logprobs=tops)
+        if not message:
+            smollm2_llm.engine.validate(handed)
+            continue
+        with pytest.raises(RequestError, match=message):
+            smollm2_llm.engine.validate(handed)
     for scores, tops, message in cases:
         handed = dataclasses.replace(request, scored_prompt_logprobs=scores, scored_prompt_top_logprobs=tops)
         if not message:

@@ -108,6 +108,30 @@ def test_the_scored_prompt_comes_with_the_first_tokens(smollm2_llm, client):
     assert not any(d.prompt_logprobs for d in unscored)
 
 
+def test_the_scored_prompt_waits_for_its_last_position(smollm2_llm, server):
+    """A decode worker's request holds an id handed off before its prompt is scored here (the peer did not
+    score it): that id streams first, and the scores come once complete, in one delta."""
+    import dataclasses
+    import queue
+
+    from jaxinfer.engine.params import Request
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=1)
+    prompt = smollm2_llm.request("A long road, " * 30, params).prompt_ids
+    want = smollm2_llm.generate([prompt], params)[0]
+    request = dataclasses.replace(Request(prompt, params), generated_ids=want.token_ids[:1])
+    deltas: queue.SimpleQueue = queue.SimpleQueue()
+    server.server.worker.submit(request, deltas.put)
+    received = [deltas.get(timeout=120)]
+    while received[-1].final is None and received[-1].error is None:
+        received.append(deltas.get(timeout=120))
+    scored = [d for d in received if d.prompt_logprobs is not None]
+    assert received[0].token_ids == want.token_ids[:1] and received[0].prompt_logprobs is None
+    assert len(scored) == 1 and None not in scored[0].prompt_logprobs[1:]
+    np.testing.assert_allclose(scored[0].prompt_logprobs[1:], want.prompt_logprobs[1:], atol=1e-5)
+    assert received[-1].final.token_ids == want.token_ids
+
+
 def test_stop_strings_are_never_streamed(smollm2_llm, client):
     free = smollm2_llm.generate(["Count: one, two,"], SamplingParams(max_tokens=10, temperature=0.0))[0]
     stop = free.text[4:7]

@@ -87,6 +87,13 @@ def _is_logprob(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and -math.inf <= value <= 0
 
 
+def _alternatives(pairs: object, count: int, vocab: int) -> bool:
+    """Whether `pairs` is `count` (id, logprob) pairs with ids in the vocabulary."""
+    return (isinstance(pairs, list | tuple) and len(pairs) == count
+            and all(isinstance(p, list | tuple) and len(p) == 2 and isinstance(p[0], Integral)
+                    and not isinstance(p[0], bool) and 0 <= p[0] < vocab and _is_logprob(p[1]) for p in pairs))
+
+
 def run_to_completion(engine, sequences: list[Sequence], on_finish: Callable[[RequestOutput], None] | None
                       ) -> list[RequestOutput]:
     """Steps `engine` (an Engine or a ReplicaSet) until nothing is left; outputs in `sequences` order.
@@ -230,6 +237,9 @@ class Engine:
                                f"{MAX_BANNED} ids can be held back")
         if params.exec and self.executor is None:
             raise RequestError("exec: this engine runs no programs (engine.exec_slots is 0)")
+        if params.exec and params.prompt_logprobs is not None:  # its result can end it before the prompt is computed
+            raise RequestError("prompt_logprobs: not available with exec (a prompt that ends with a program gets its "
+                               "result before the prompt is computed)")
         if params.exec_trace == "full" and self.executor is not None and not self.cfg.exec_trace_entries:
             raise RequestError("exec_trace: full needs engine.exec_trace_entries > 0")
         # What a speculative round does not compute: program steps, alternatives, penalty counts per proposal.
@@ -285,7 +295,7 @@ class Engine:
         if bad is not None:
             raise RequestError(f"generated_logprobs[{bad}]: must be a log-probability (a number <= 0), got "
                                f"{request.generated_logprobs[bad]!r:.40}")
-        self._check_scored_prompt(request)
+        self._check_scored_prompt(request, vocab)
         if request.publish_kv or request.stored_pages:
             if self._publisher is None:
                 raise RequestError("publish_kv / stored_pages: this engine has no KV store (engine.kv_store)")
@@ -293,7 +303,7 @@ class Engine:
                 raise RequestError("publish_kv / stored_pages: the engine's prefix cache is off")
 
     @staticmethod
-    def _check_scored_prompt(request: Request) -> None:
+    def _check_scored_prompt(request: Request, vocab: int) -> None:
         """A prefill worker's prompt scores: one per prompt token (None for the first), as asked."""
         scored, tops = request.scored_prompt_logprobs, request.scored_prompt_top_logprobs
         k = request.params.prompt_logprobs
@@ -312,6 +322,10 @@ class Engine:
         if bad is not None:
             raise RequestError(f"scored_prompt_logprobs[{bad}]: must be a log-probability (a number <= 0), got "
                                f"{scored[bad]!r:.40}")
+        bad = next((i for i, top in enumerate(tops or []) if not _alternatives(top, 0 if i == 0 else k, vocab)), None)
+        if bad is not None:
+            raise RequestError(f"scored_prompt_top_logprobs[{bad}]: must be {'empty' if bad == 0 else f'{k}'} (id, "
+                               f"logprob) pairs with ids in the vocabulary, got {tops[bad]!r:.60}")
 
     def generate(
         self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
@@ -625,6 +639,7 @@ class Engine:
         batch = self._build_batch(chunks)
         scored = self._fill_prompt_scoring(batch, chunks)
         result = self.runner.dispatch(batch, previous)
+        self._count_scored(scored)
         for row, chunk in enumerate(chunks):
             if chunk.samples:
                 chunk.seq.inflight += 1
@@ -715,14 +730,18 @@ class Engine:
             return []
         spans, offset = [], 0
         for chunk in chunks:
-            seq = chunk.seq
-            if seq in self._scoring:
+            if chunk.seq in self._scoring:
                 span = self._score_chunk(batch, chunk, offset)
                 spans += [span] if span is not None else []
-                if not seq.scoring_prompt:
-                    self._scoring.discard(seq)
             offset += chunk.count
         return spans
+
+    def _count_scored(self, spans: list[_ScoredSpan]) -> None:
+        """After the dispatch: the positions the step scores count as asked for."""
+        for span in spans:
+            span.seq.prompt_scored = span.first + span.count
+            if not span.seq.scoring_prompt:
+                self._scoring.discard(span.seq)
 
     @staticmethod
     def _score_chunk(batch: HostBatch, chunk: ScheduledChunk, offset: int) -> _ScoredSpan | None:
@@ -735,7 +754,6 @@ class Engine:
         at = offset + first - chunk.start
         batch.prompt_targets[at : at + end - first] = seq.prompt_ids[first + 1 : end + 1]
         batch.prompt_alternatives[at : at + end - first] = seq.params.prompt_logprobs
-        seq.prompt_scored = end
         return _ScoredSpan(seq, at, first, end - first)
 
     @staticmethod

@@ -2,7 +2,7 @@
 
 The step scores the positions a batch asks for: a position's target is the prompt id that follows it,
 and the value is that id's logprob under the raw model, from the same logits the sampler would
-read there (so the last prompt position's value would equal the first sample's logprob). A position
+read there, with the same arithmetic (`sampler.Normalizer`) as the sampled ids' logprobs. A position
 can also ask for its most likely ids. The logits are computed in blocks of `PROMPT_BLOCK` tokens, so
 a large bucket's [tokens, vocab] logits are never written whole, and each block runs under a cond:
 a batch, or a block of it, that asks nothing computes nothing.
