@@ -28,7 +28,7 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
                           ignore_eos=proto.ignore_eos, logprobs=proto.logprobs, exec=proto.exec,
                           exec_files=tuple(proto.exec_files), exec_session=proto.exec_session,
-                          exec_trace=proto.exec_trace or "none")
+                          exec_trace=proto.exec_trace or "none", logit_bias=dict(proto.logit_bias))
 
 
 def top_logprobs_proto(tops: list[list[tuple[int, float]]]) -> list[pb.TopLogprobs]:
@@ -66,7 +66,7 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
                              stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                              logprobs=params.logprobs, exec=params.exec,
                              exec_files=list(params.exec_files), exec_session=params.exec_session,
-                             exec_trace=params.exec_trace)
+                             exec_trace=params.exec_trace, logit_bias=dict(params.logit_bias))
 
 
 MAX_REQUEST_ID_CHARS = 256  # echoed in every streamed response and log line

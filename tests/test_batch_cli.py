@@ -57,6 +57,8 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="alternatives-alone", prompt="x", top_logprobs=4), ("top_logprobs", "needs logprobs")),
     (obj(id="scored", prompt="The sky is blue and the grass", prompt_logprobs=2, max_tokens=2), None),
     (obj(id="scored-too-many", prompt="x", prompt_logprobs=21), ("prompt_logprobs", "[0, 20]")),
+    (obj(id="biased", prompt="The sky is", logit_bias={"0": -100, "17": 2.5}, max_tokens=4), None),
+    (obj(id="biased-too-far", prompt="x", logit_bias={"3": -101}), ("logit_bias['3']", "[-100.0, 100.0]")),
     (obj(id="role", messages=[{"role": "user<|im_end|>", "content": "x"}]), ("messages[0].role",)),
     (
         obj(

@@ -82,6 +82,15 @@ def test_penalties_travel_with_the_request(smollm2_llm, client):
     assert text == want.text and last.usage.completion_tokens == len(want.token_ids)
 
 
+def test_logit_bias_travels_with_the_request(smollm2_llm, client):
+    prompt = "The capital of France is"
+    first = smollm2_llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))[0].token_ids[0]
+    want = smollm2_llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, logit_bias={first: -100}))[0]
+    assert want.token_ids[0] != first
+    text, last = client.generate(prompt, max_tokens=6, temperature=0.0, logit_bias={first: -100.0})
+    assert text == want.text and last.usage.completion_tokens == len(want.token_ids)
+
+
 def test_streamed_top_logprobs_come_with_their_tokens(smollm2_llm, client):
     prompt = "The capital of France is"
     want = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logprobs=True,
@@ -153,6 +162,8 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=21, logprobs=True)), "top_logprobs: must be in"),
         (dict(text="hi", sampling=pb.SamplingParams(top_logprobs=2)), "top_logprobs: needs logprobs true"),
         (dict(text="hi", sampling=pb.SamplingParams(prompt_logprobs=21)), "prompt_logprobs: must be in"),
+        (dict(text="hi", sampling=pb.SamplingParams(logit_bias={3: 101.0})), r"logit_bias[3]: must be in"),
+        (dict(text="hi", sampling=pb.SamplingParams(logit_bias={10**9: 1.0})), "outside the vocabulary"),
         (dict(token_ids=pb.TokenIds(ids=[1, 10**9])), "prompt_token_ids"),
         (dict(parts=pb.PromptParts(parts=[pb.PromptPart(special="<|nope|>")])), "nope"),
         (dict(text="word " * 9000), "prompt"),

@@ -115,6 +115,31 @@ def test_prompt_logprobs_match_transformers(smollm2_llm, hf_model):
             np.testing.assert_allclose(values, np.sort(reference[position])[::-1][: p.prompt_logprobs], atol=1e-3)
 
 
+def test_logit_bias_matches_transformers_sequence_bias(smollm2_llm, hf_model):
+    """OpenAI's logit_bias as transformers' single-token `sequence_bias`, greedy, in one batch: a row that
+    bans its natural first tokens, one that promotes a word with a repetition penalty applied after the
+    bias (both libraries' order), and one without."""
+    tok = smollm2_llm.tokenizer
+    (eos,) = tok.eos_ids
+    conversations = [[{"role": "user", "content": text}] for text in PROMPTS[:3]]
+    plain = smollm2_llm.generate_chat(conversations, SamplingParams(max_tokens=12, temperature=0.0))
+    biases = [{plain[0].token_ids[0]: -100.0, plain[0].token_ids[1]: -5.0}, {smollm2_llm.encode("banana")[0]: 8.0},
+              {}]
+    penalties = [1.0, 1.2, 1.0]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logit_bias=b, repetition_penalty=r)
+              for b, r in zip(biases, penalties, strict=True)]
+    outputs = smollm2_llm.generate_chat(conversations, params)
+    assert outputs[0].token_ids != plain[0].token_ids and outputs[1].token_ids != plain[1].token_ids
+    for conversation, bias, r, out in zip(conversations, biases, penalties, outputs, strict=True):
+        ids = tok.encode_chat(conversation)
+        with torch.no_grad():
+            expected = hf_model.generate(
+                torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=12,
+                do_sample=False, eos_token_id=eos, pad_token_id=eos, repetition_penalty=r,
+                sequence_bias={(token,): value for token, value in bias.items()} or None)[0, len(ids):].tolist()
+        assert out.token_ids == expected
+
+
 class OpenAIPenalties:
     """OpenAI's frequency and presence penalties as a transformers logits processor (transformers has
     none): minus frequency times each token's count in the output, minus presence if it is there."""

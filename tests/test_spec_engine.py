@@ -110,6 +110,8 @@ def test_penalties_and_top_logprobs_are_refused_with_a_draft_model(truncated_dra
         truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, logprobs=True, top_logprobs=2))
     with pytest.raises(RequestError, match="prompt_logprobs: not available with speculative decoding"):
         truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, prompt_logprobs=0))
+    with pytest.raises(RequestError, match="logit_bias: not available with speculative decoding"):
+        truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, logit_bias={5: 1.0}))
 
 
 def test_stop_strings_cancellation_and_preemption_keep_outputs_and_pages(smollm2_llm, truncated_draft):

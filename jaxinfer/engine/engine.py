@@ -244,7 +244,8 @@ class Engine:
             raise RequestError("exec_trace: full needs engine.exec_trace_entries > 0")
         # What a speculative round does not compute: program steps, alternatives, penalty counts per proposal.
         unspeculated = (["exec"] * params.exec + ["top_logprobs"] * bool(params.top_logprobs)
-                        + ["prompt_logprobs"] * (params.prompt_logprobs is not None) + params.active_penalties)
+                        + ["prompt_logprobs"] * (params.prompt_logprobs is not None)
+                        + ["logit_bias"] * bool(params.logit_bias) + params.active_penalties)
         if unspeculated and self.speculator is not None:
             raise RequestError(f"{unspeculated[0]}: not available with speculative decoding (engine.draft_model)")
         for name in ("top_logprobs", "prompt_logprobs"):
@@ -255,6 +256,7 @@ class Engine:
         vocab = self.runner.model_cfg.vocab_size
         _check_token_ids("prompt_token_ids", prompt_ids, vocab)
         _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
+        _check_token_ids("logit_bias", [token for token, _ in params.logit_bias], vocab)
         # Every request must fit the pool alone, so preemption always leaves one that can finish.
         prompt_pages = math.ceil((len(prompt_ids) + 1) / self.cfg.page_size)
         if prompt_pages > self.pool.capacity:
@@ -722,6 +724,9 @@ class Engine:
             banned += self._exec_banned(p)
             if banned:
                 batch.banned[row, : len(banned)] = banned
+            if p.logit_bias:
+                batch.bias_ids[row, : len(p.logit_bias)], batch.bias_values[row, : len(p.logit_bias)] = zip(
+                    *p.logit_bias, strict=True)
 
     # -- prompt logprobs (engine/prompt_logprobs.py) ---------------------------------------------
     def _fill_prompt_scoring(self, batch: HostBatch, chunks: list[ScheduledChunk]) -> list[_ScoredSpan]:

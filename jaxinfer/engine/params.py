@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
@@ -14,6 +15,8 @@ MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are searched on the engine t
 MAX_REPETITION_PENALTY = 100.0
 PENALTIES_OFF = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the step computes this many alternatives for every row that asks
+MAX_LOGIT_BIAS = 64  # pairs per request: every step carries [rows, 64] ids and values (engine/logit_bias.py)
+MAX_BIAS = 100.0  # OpenAI's range: -100 bans a token in practice, 100 all but forces it
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # prompt and output tokens: positive logits / r, negative * r
     frequency_penalty: float = 0.0  # minus this times the token's count in the output
     presence_penalty: float = 0.0  # minus this if the output has the token
+    # OpenAI's: {token id: bias in [-100, 100]} added to the raw logits first (engine/logit_bias.py); JSON's
+    # string keys are read as ids. Kept as (id, bias) pairs in id order.
+    logit_bias: Mapping[int | str, float] | tuple[tuple[int, float], ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
@@ -53,6 +59,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", (self.stop,) if isinstance(self.stop, str) else _list_field("stop", self.stop))
         object.__setattr__(self, "stop_token_ids", _list_field("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "exec_files", _list_field("exec_files", self.exec_files))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._check()
 
     @property
@@ -110,6 +117,27 @@ class SamplingParams:
             raise RequestError(f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         for i, t in enumerate(self.stop_token_ids):
             _int_field(f"stop_token_ids[{i}]", t, low=0, high=MAX_INT32)
+
+
+def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as (id, bias) pairs in id order, each checked; a mapping or pairs (what it becomes) in."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, list | tuple) and all(isinstance(p, list | tuple) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise RequestError(f"logit_bias: must map token ids to biases, got {type(value).__name__} {value!r:.80}")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(items)}")
+    pairs: dict[int, float] = {}
+    for key, bias in items:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        _int_field(f"logit_bias[{key!r:.20}]", token, low=0, high=MAX_INT32)
+        _float_field(f"logit_bias[{key!r:.20}]", bias, low=-MAX_BIAS, high=MAX_BIAS)
+        if token in pairs:
+            raise RequestError(f"logit_bias: token id {token} is given twice")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 def _list_field(name: str, value: object) -> tuple:

@@ -31,7 +31,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
-from jaxinfer.engine.params import MAX_TOP_LOGPROBS
+from jaxinfer.engine.logit_bias import BiasInputs, add_bias
+from jaxinfer.engine.params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
 from jaxinfer.engine.penalties import PenaltyInputs, count_sampled, load_row, penalize
 from jaxinfer.engine.prompt_logprobs import PromptScoring, score_prompt
 from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample, top_logprobs
@@ -57,6 +58,7 @@ class StepInputs:
     meta: AttentionMetadata
     logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
     sampling: SamplingInputs
+    bias: BiasInputs
     penalties: PenaltyInputs
     top_logprobs: jax.Array  # [S] int32: how many alternatives the row wants (0: none)
     adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
@@ -81,6 +83,8 @@ class HostBatch:
     seed: np.ndarray
     step: np.ndarray
     banned: np.ndarray
+    bias_ids: np.ndarray
+    bias_values: np.ndarray
     penalty_slot: np.ndarray
     repetition_penalty: np.ndarray
     frequency_penalty: np.ndarray
@@ -104,8 +108,9 @@ class HostBatch:
         )
         penalties = PenaltyInputs(self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
                                   self.presence_penalty)
-        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling, penalties, self.top_logprobs,
-                          self.adapters, PromptScoring(self.prompt_targets, self.prompt_alternatives))
+        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling,
+                          BiasInputs(self.bias_ids, self.bias_values), penalties, self.top_logprobs, self.adapters,
+                          PromptScoring(self.prompt_targets, self.prompt_alternatives))
 
     def packed(self) -> PackedInputs:
         """The arrays as one int32 buffer: one host-to-device copy per step instead of one per array."""
@@ -181,7 +186,9 @@ def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, pa
     hidden, caches = model(ids, caches, inputs.meta, inputs.adapters)
     caches = keep_shardings(caches, cache_shardings)
     logits = model.logits(hidden[inputs.logits_rows], inputs.adapters[inputs.logits_rows])
-    tokens, logprobs = sample(logits, inputs.sampling, penalize(logits, counts, inputs.penalties))
+    # The bias, then the penalties, then the sampler's filters (vLLM's order); the logprobs stay the raw model's.
+    adjusted = penalize(add_bias(logits, inputs.bias), counts, inputs.penalties)
+    tokens, logprobs = sample(logits, inputs.sampling, adjusted)
     counts = jax.lax.with_sharding_constraint(count_sampled(counts, inputs.penalties.slot, tokens), counts_sharding)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
     alternatives = min(MAX_TOP_LOGPROBS, logits.shape[-1])  # a tiny test vocabulary has fewer ids
@@ -399,6 +406,8 @@ class ModelRunner:
             seed=np.zeros(rows, np.uint32),
             step=np.zeros(rows, np.int32),
             banned=np.full((rows, MAX_BANNED), -1, np.int32),
+            bias_ids=np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
+            bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
             penalty_slot=np.full(rows, -1, np.int32),
             repetition_penalty=np.ones(rows, np.float32),
             frequency_penalty=np.zeros(rows, np.float32),
