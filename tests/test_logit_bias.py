@@ -39,6 +39,11 @@ def test_the_bias_is_kept_as_id_ordered_pairs_from_a_mapping_with_json_keys():
 
 @pytest.mark.parametrize(("value", "message"), [
     ({"x": 1.0}, r"logit_bias\['x'\]: must be an integer"),
+    ({"\u00b2": 1.0}, r"logit_bias\['\u00b2'\]: must be an integer"),  # a digit to str.isdigit, not to int()
+    ({"9" * 5000: 1.0}, r"logit_bias\['9999.*: must be an integer"),  # past int()'s digit limit
+    ({" 5": 1.0}, r"logit_bias\[' 5'\]: must be an integer"),
+    ({"1e3": 1.0}, r"logit_bias\['1e3'\]: must be an integer"),
+    ({"007": 1.0, 7: 2.0}, "token id 7 is given twice"),
     ({1: 100.5}, r"logit_bias\[1\]: must be in \[-100.0, 100.0\], got 100.5"),
     ({1: float("nan")}, r"logit_bias\[1\]: must be in"),
     ({-2: 1.0}, r"logit_bias\[-2\]: must be in \[0, "),
@@ -55,8 +60,28 @@ def test_bad_biases_name_the_field_and_the_limit(value, message):
 def test_the_engine_refuses_ids_outside_the_vocabulary(smollm2_llm):
     vocab = smollm2_llm.model_config.vocab_size
     request = smollm2_llm.request("hi", SamplingParams(logit_bias={vocab: 1.0}))
-    with pytest.raises(RequestError, match=rf"logit_bias\[0\]: {vocab} is outside the vocabulary"):
+    with pytest.raises(RequestError, match=rf"logit_bias\[{vocab}\]: {vocab} is outside the vocabulary"):
         smollm2_llm.engine.validate(request)
+
+
+def test_the_bias_crosses_the_wire_both_ways():
+    """What a server reads and what the decode front sends a prefill peer (float32 on the wire)."""
+    from serving.convert import sampling_params, sampling_proto
+
+    params = SamplingParams(logit_bias={3: -100.0, 70: 2.5, 9: 0.125})
+    assert sampling_params(sampling_proto(params)).logit_bias == params.logit_bias
+
+
+def test_a_sampled_row_follows_a_forcing_bias_but_a_held_back_eos_stays_held_back(smollm2_llm):
+    """+100 on one id: every sampled token is that id, whatever the seed; +100 on EOS before min_tokens:
+    EOS is still never drawn (the ban comes after the bias)."""
+    target = smollm2_llm.encode(" blue")[0]
+    forced = SamplingParams(max_tokens=5, temperature=1.0, top_p=0.9, seed=11, logit_bias={target: 100.0})
+    assert smollm2_llm.generate(["The sky is"], forced)[0].token_ids == [target] * 5
+    (eos,) = smollm2_llm.tokenizer.eos_ids
+    held = SamplingParams(max_tokens=4, min_tokens=4, temperature=0.0, logit_bias={eos: 100.0})
+    out = smollm2_llm.generate(["The sky is"], held)[0]
+    assert len(out.token_ids) == 4 and eos not in out.token_ids
 
 
 def test_a_bias_steers_only_its_own_row_and_leaves_the_logprobs_raw(smollm2_llm):

@@ -256,7 +256,9 @@ class Engine:
         vocab = self.runner.model_cfg.vocab_size
         _check_token_ids("prompt_token_ids", prompt_ids, vocab)
         _check_token_ids("stop_token_ids", params.stop_token_ids, vocab)
-        _check_token_ids("logit_bias", [token for token, _ in params.logit_bias], vocab)
+        outside = next((token for token, _ in params.logit_bias if token >= vocab), None)
+        if outside is not None:
+            raise RequestError(f"logit_bias[{outside}]: {outside} is outside the vocabulary [0, {vocab})")
         # Every request must fit the pool alone, so preemption always leaves one that can finish.
         prompt_pages = math.ceil((len(prompt_ids) + 1) / self.cfg.page_size)
         if prompt_pages > self.pool.capacity:
@@ -617,6 +619,9 @@ class Engine:
         seq.logprobs = list(request.generated_logprobs) or [0.0] * len(request.generated_ids)
         if params.top_logprobs:  # a prefill worker's, else none (not sampled here)
             seq.top_logprobs = list(request.generated_top_logprobs) or [[] for _ in request.generated_ids]
+        if params.logit_bias:  # as arrays once, not per step
+            ids, biases = zip(*params.logit_bias, strict=True)
+            seq.bias = (np.array(ids, np.int32), np.array(biases, np.float32))
         if params.prompt_logprobs is not None:  # scored here, or by a prefill worker
             seq.prompt_logprobs = list(request.scored_prompt_logprobs or [None] * len(request.prompt_ids))
             if params.prompt_logprobs:
@@ -724,9 +729,8 @@ class Engine:
             banned += self._exec_banned(p)
             if banned:
                 batch.banned[row, : len(banned)] = banned
-            if p.logit_bias:
-                batch.bias_ids[row, : len(p.logit_bias)], batch.bias_values[row, : len(p.logit_bias)] = zip(
-                    *p.logit_bias, strict=True)
+            if seq.bias is not None:
+                batch.bias_ids[row, : seq.bias[0].size], batch.bias_values[row, : seq.bias[0].size] = seq.bias
 
     # -- prompt logprobs (engine/prompt_logprobs.py) ---------------------------------------------
     def _fill_prompt_scoring(self, batch: HostBatch, chunks: list[ScheduledChunk]) -> list[_ScoredSpan]:

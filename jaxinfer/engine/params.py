@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
@@ -17,6 +18,7 @@ PENALTIES_OFF = {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit; the step computes this many alternatives for every row that asks
 MAX_LOGIT_BIAS = 64  # pairs per request: every step carries [rows, 64] ids and values (engine/logit_bias.py)
 MAX_BIAS = 100.0  # OpenAI's range: -100 bans a token in practice, 100 all but forces it
+DECIMAL_ID = re.compile(r"[0-9]{1,10}")  # a JSON key read as a token id: ASCII digits only (not "²", not "1e3")
 
 
 @dataclass(frozen=True)
@@ -131,7 +133,7 @@ def _bias_pairs(value: object) -> tuple[tuple[int, float], ...]:
         raise RequestError(f"logit_bias: at most {MAX_LOGIT_BIAS} token ids, got {len(items)}")
     pairs: dict[int, float] = {}
     for key, bias in items:
-        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        token = int(key) if isinstance(key, str) and DECIMAL_ID.fullmatch(key) else key
         _int_field(f"logit_bias[{key!r:.20}]", token, low=0, high=MAX_INT32)
         _float_field(f"logit_bias[{key!r:.20}]", bias, low=-MAX_BIAS, high=MAX_BIAS)
         if token in pairs:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from jaxinfer.engine.params import Request, SamplingParams
 from jaxinfer.kv.store import PendingRead
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
@@ -55,6 +57,7 @@ class Sequence:
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_scored: int = 0  # prompt positions that dispatched steps score (position p scores token p + 1)
+    bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as the step's arrays: ids, biases
 
     @property
     def adapter_slot(self) -> int:
