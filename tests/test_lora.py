@@ -108,6 +108,28 @@ def test_mixed_adapter_batch_equals_each_alone(lora_llm):
         assert one.token_ids != other.token_ids or np.abs(np.subtract(one.logprobs, other.logprobs)).max() > 1e-3
 
 
+def test_prompt_scores_under_an_adapter_match_peft(lora_llm, hf_model, adapters):
+    """prompt_logprobs read the adapter's head per token, like the sampler: the adapter's row against
+    PEFT's forward, beside a base-model row of the same prompt."""
+    from peft import PeftModel
+
+    chat = [{"role": "user", "content": PROMPTS[0]}]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    adapted, base = lora_llm.generate_chat([chat, chat], params, adapter=["a", ""])
+    ids = adapted.prompt_token_ids
+    peft_model = PeftModel.from_pretrained(hf_model, adapters / "a")
+    try:
+        with torch.no_grad():
+            reference = torch.log_softmax(peft_model(torch.tensor([ids])).logits[0], dim=-1).numpy()
+    finally:
+        peft_model.unload()  # the module's transformers model stays the base
+    expected = reference[np.arange(len(ids) - 1), ids[1:]]
+    np.testing.assert_allclose(adapted.prompt_logprobs[1:], expected, atol=2e-3)
+    assert np.abs(np.subtract(adapted.prompt_logprobs[1:], base.prompt_logprobs[1:])).max() > 0.05
+    for position, top in enumerate(adapted.prompt_top_logprobs[1:]):
+        np.testing.assert_allclose([v for _, v in top], reference[position, [t for t, _ in top]], atol=2e-3)
+
+
 def test_prefix_cache_is_per_adapter(lora_llm):
     prompt = "Summarize the plot of a detective story in three sentences, with a twist at the end."
     params = SamplingParams(max_tokens=2, temperature=0.0)
