@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from jaxinfer.parallel.lockstep import FOLLOWER_LOST_EXIT, LEADER_LOST_EXIT, REPLAY_FAILED_EXIT
@@ -56,6 +57,9 @@ LINES = [
     {"id": "count", "prompt": "1, 2, 3, 4,", "max_tokens": 20},
     {"id": "count-penalized", "prompt": "1, 2, 3, 4,", "max_tokens": 20, "repetition_penalty": 1.3,
      "frequency_penalty": 0.5},  # the leader sends the counts it loads, as it sends adapter loads
+    # Scored prompt and a bias against "5" (id 37, the greedy continuation's first digit): step inputs only.
+    {"id": "count-scored-biased", "prompt": "1, 2, 3, 4,", "max_tokens": 12, "prompt_logprobs": 2,
+     "logit_bias": {"37": -100}},
     {"id": "story", "messages": [{"role": "user", "content": "Tell me a very long story about a fox."}],
      "max_tokens": 40},
     {"id": "adapted-preloaded", "prompt": "1, 2, 3, 4,", "max_tokens": 16, "adapter": "preloaded"},
@@ -184,6 +188,12 @@ def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups)
     assert expected["adapted-preloaded"] != expected["count"][:16]  # the adapters changed the text
     assert expected["adapted-line"] != expected["colors"]
     assert expected["count-penalized"] != expected["count"]
+    assert 37 in expected["count"] and 37 not in expected["count-scored-biased"]
+    scored = [next(json.loads(line) for line in path.read_text().splitlines() if '"count-scored-biased"' in line)
+              for path in (single, group.output)]
+    assert scored[0]["prompt_logprobs"][0] is None
+    assert len(scored[0]["prompt_top_logprobs"]) == scored[0]["usage"]["prompt_tokens"] > 1
+    np.testing.assert_allclose(scored[1]["prompt_logprobs"][1:], scored[0]["prompt_logprobs"][1:], atol=1e-3)
     answer = json.loads(next(line for line in group.output.read_text().splitlines() if '"program"' in line))
     assert "<|result|>4812477021" in answer["text"], answer["text"]  # 48213 * 99817, run in lockstep
     follower_log = group.log(1)  # the follower wrote both adapters from the tensors the leader sent
