@@ -154,15 +154,18 @@ def bench_offline(args: argparse.Namespace, llm=None) -> None:
     emit(dict(what="overlap_speedup", on_over_off=round(ours[True] / ours[False], 3)))
     if args.no_peer:
         return
+    for hf_batch, record in run_offline_peer(prompts, args.hf_batch, "--new-tokens", str(args.out_len)):
+        emit(dict(what="ratio", workload="offline", hf_batch=hf_batch,
+                  jaxinfer_overlap_over_hf=round(ours[True] / record["tok_per_s"], 2)))
+
+
+def run_offline_peer(prompts: list[list[int]], hf_batches: list[int], *flags: str) -> list[tuple[int, dict]]:
+    """tools/hf_offline_peer.py on `prompts` with `flags`, once per batch size: (batch size, record) pairs."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     try:
-        for hf_batch in args.hf_batch:
-            command = [sys.executable, str(OFFLINE_PEER), f.name, "--new-tokens", str(args.out_len),
-                       "--batch", str(hf_batch)]
-            for record in run_peer(command):
-                emit(dict(what="ratio", workload="offline", hf_batch=hf_batch,
-                          jaxinfer_overlap_over_hf=round(ours[True] / record["tok_per_s"], 2)))
+        return [(hf_batch, record) for hf_batch in hf_batches
+                for record in run_peer([sys.executable, str(OFFLINE_PEER), f.name, *flags, "--batch", str(hf_batch)])]
     finally:
         os.unlink(f.name)
 
@@ -271,15 +274,9 @@ def bench_scoring(args: argparse.Namespace, llm=None) -> None:
               first_scores=[round(v, 4) for v in first]))
     if args.no_peer:
         return
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(prompts, f)
-    try:
-        for hf_batch in args.hf_batch:
-            for record in run_peer([sys.executable, str(OFFLINE_PEER), f.name, "--score", "--batch", str(hf_batch)]):
-                emit(dict(what="ratio", workload="scoring", hf_batch=hf_batch,
-                          jaxinfer_scored_over_hf=round(rates["scored"] / record["prompt_tok_per_s"], 2)))
-    finally:
-        os.unlink(f.name)
+    for hf_batch, record in run_offline_peer(prompts, args.hf_batch, "--score"):
+        emit(dict(what="ratio", workload="scoring", hf_batch=hf_batch,
+                  jaxinfer_scored_over_hf=round(rates["scored"] / record["prompt_tok_per_s"], 2)))
 
 
 # -- gemm: the matmul ceiling of this backend on SmolLM2's shapes ------------------------------------
