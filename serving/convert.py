@@ -51,13 +51,15 @@ def prompt_logprobs_proto(scores: list[float | None] | None, tops: list[list[tup
     return {"prompt_logprobs": scores[1:], "prompt_top_logprobs": top_logprobs_proto((tops or [])[1:])}
 
 
-def prompt_logprobs_from_proto(message, wanted: int | None) -> tuple[list[float | None] | None,
-                                                                    list[list[tuple[int, float]]] | None]:
-    """A response's prompt scores (when `wanted`: the request's prompt_logprobs) as RequestOutput's fields."""
-    if wanted is None:
+def prompt_logprobs_from_proto(message, wanted: int | None, prompt_len: int
+                               ) -> tuple[list[float | None] | None, list[list[tuple[int, float]]] | None]:
+    """A response's prompt scores (when `wanted`: the request's prompt_logprobs) as RequestOutput's fields;
+    (None, None) unless every token after the first has them (a peer built before these fields sends
+    none): the decode worker then scores the prompt itself."""
+    scores, tops = list(message.prompt_logprobs), top_logprobs_from_proto(message.prompt_top_logprobs)
+    if wanted is None or len(scores) != prompt_len - 1 or (wanted and len(tops) != prompt_len - 1):
         return None, None
-    tops = [[], *top_logprobs_from_proto(message.prompt_top_logprobs)] if wanted else None
-    return [None, *message.prompt_logprobs], tops
+    return [None, *scores], ([[], *tops] if wanted else None)
 
 
 def sampling_proto(params: SamplingParams) -> pb.SamplingParams:

@@ -215,7 +215,8 @@ class PrefillRouter:
             return Handoff(request, list(reply.token_ids), list(reply.logprobs) or [0.0] * len(reply.token_ids),
                            reply.stored_pages, done, reply.text, reply.usage.cached_tokens,
                            top_logprobs_from_proto(reply.top_logprobs),
-                           *prompt_logprobs_from_proto(reply, request.params.prompt_logprobs))
+                           *prompt_logprobs_from_proto(reply, request.params.prompt_logprobs,
+                                                       len(request.prompt_ids)))
         if deadline is not None and loop.time() >= deadline:
             raise passed
         self.local += 1

@@ -174,6 +174,22 @@ def test_blocks_of_a_large_bucket_score_as_one_log_softmax():
     assert not np.asarray(ids)[:128].any()  # a block that asks for no alternatives computes none
 
 
+def test_a_peer_reply_without_whole_scores_leaves_the_scoring_to_the_decode_worker():
+    """A prefill peer built before prompt_logprobs sends none: the hand-off then carries no scores (the
+    decode worker scores the prompt itself) instead of a list the decode worker would refuse."""
+    from serving.convert import prompt_logprobs_from_proto
+    from serving.proto.jaxinfer.v1 import inference_pb2 as pb
+
+    whole = pb.PrefillResponse(prompt_logprobs=[-1.0, -2.0], prompt_top_logprobs=[
+        pb.TopLogprobs(token_ids=[4], logprobs=[-0.5]), pb.TopLogprobs(token_ids=[9], logprobs=[-0.25])])
+    assert prompt_logprobs_from_proto(whole, 1, 3) == ([None, -1.0, -2.0], [[], [(4, -0.5)], [(9, -0.25)]])
+    assert prompt_logprobs_from_proto(whole, 0, 3) == ([None, -1.0, -2.0], None)
+    assert prompt_logprobs_from_proto(whole, None, 3) == (None, None)
+    assert prompt_logprobs_from_proto(pb.PrefillResponse(), 1, 3) == (None, None)  # an older peer
+    assert prompt_logprobs_from_proto(pb.PrefillResponse(), 0, 1) == ([None], None)  # nothing to score
+    assert prompt_logprobs_from_proto(whole, 1, 4) == (None, None)
+
+
 def test_a_prefill_workers_scores_are_checked(smollm2_llm):
     """A decode worker's request may carry the prompt as the prefill worker scored it, whole and sound."""
     import dataclasses
