@@ -87,6 +87,11 @@ def _is_logprob(value: object) -> bool:
     return isinstance(value, Real) and not isinstance(value, bool) and -math.inf <= value <= 0
 
 
+def _pairs(ids: np.ndarray, logprobs: np.ndarray) -> list[tuple[int, float]]:
+    """One position's alternatives, as read back from the step, in the outputs' form: (id, logprob) pairs."""
+    return list(zip(ids.tolist(), logprobs.tolist(), strict=True))
+
+
 def _alternatives(pairs: object, count: int, vocab: int) -> bool:
     """Whether `pairs` is `count` (id, logprob) pairs with ids in the vocabulary."""
     return (isinstance(pairs, list | tuple) and len(pairs) == count
@@ -777,8 +782,8 @@ class Engine:
             k = seq.params.prompt_logprobs
             if k:
                 seq.prompt_top_logprobs[span.first + 1 : span.first + 1 + span.count] = [
-                    list(zip(row_ids, row_logprobs, strict=True))
-                    for row_ids, row_logprobs in zip(ids[rows, :k].tolist(), logprobs[rows, :k].tolist(), strict=True)]
+                    _pairs(row_ids, row_logprobs) for row_ids, row_logprobs in zip(ids[rows, :k], logprobs[rows, :k],
+                                                                                   strict=True)]
 
     # -- penalties -----------------------------------------------------------------------------
     def _claim_penalty_slot(self, seq: Sequence) -> bool:
@@ -847,8 +852,7 @@ class Engine:
             self._append(seq, int(tokens[row]), float(logprobs[row]))
             if seq.params.top_logprobs:
                 count = seq.params.top_logprobs
-                seq.top_logprobs.append(list(zip(top[0][row, :count].tolist(), top[1][row, :count].tolist(),
-                                                 strict=True)))
+                seq.top_logprobs.append(_pairs(top[0][row, :count], top[1][row, :count]))
             if seq.finish_reason is not None:
                 self._finish(seq, finished)
             else:
