@@ -19,24 +19,31 @@ from serving.server import InferenceServer, load_configs
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
+    return add_arguments(argparse.ArgumentParser(prog="python -m serving", description=__doc__.splitlines()[0])
+                         ).parse_args(argv)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="TOML file with [serve] and [engine] tables")
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None)
     p.add_argument("--model", default=None)
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the OpenAI-compatible HTTP API beside gRPC (0: any free port, -1: off; "
+                   "default serve.http_port)")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (0: any free port, -1: off)")
     p.add_argument("--coordinator", default=None, help="multi-host: HOST:PORT of process 0's coordination "
                    "service, or auto (TPU pod slices); default $JAXINFER_COORDINATOR")
     p.add_argument("--num-processes", type=int, default=None, help="multi-host: processes in the group")
     p.add_argument("--process-id", type=int, default=None,
                    help="multi-host: this process (0 serves gRPC; the others replay its steps)")
-    return p.parse_args(argv)
+    return p
 
 
 async def serve(args: argparse.Namespace) -> bool:
     """Serves until SIGTERM or SIGINT; True when that came while the model was still loading."""
     config, engine_config = load_configs(args.config, host=args.host, port=args.port, model=args.model,
-                                         metrics_port=args.metrics_port)
+                                         metrics_port=args.metrics_port, http_port=args.http_port)
     logging.getLogger(__name__).info("settings %s", json.dumps(
         {"serve": dataclasses.asdict(config), "engine": dataclasses.asdict(engine_config)}))
     group = initialize(ProcessGroup.resolve(args.coordinator, args.num_processes, args.process_id))
@@ -64,7 +71,7 @@ async def serve_as_leader(config, engine_config, group: ProcessGroup, channel: L
         loop.add_signal_handler(sig, stopping.set)
     server = InferenceServer(config, engine_config, process_group=group, lockstep=channel)
     port = await server.start()
-    print(json.dumps({"event": "listening", "host": config.host, "port": port,
+    print(json.dumps({"event": "listening", "host": config.host, "port": port, "http_port": server.http_port,
                       "metrics_port": server.metrics_port}), flush=True)
     load = asyncio.create_task(server.load())
     load.add_done_callback(lambda task: task.cancelled() or task.exception() is None or stopping.set())
@@ -104,8 +111,13 @@ def configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> None:
     configure_logging()
+    run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> None:
+    """Serves until a signal; exits with code 2 on a settings or load error."""
     try:
-        stopped_while_loading = asyncio.run(serve(parse_args(argv)))
+        stopped_while_loading = asyncio.run(serve(args))
     except JaxinferError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)

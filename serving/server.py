@@ -34,6 +34,7 @@ from jaxinfer.parallel.distributed import ProcessGroup
 from jaxinfer.parallel.lockstep import Leader
 from serving.disagg import ROLES, PrefillRouter, PrefillService
 from serving.metrics import ServerMetrics
+from serving.openai_server import HttpFrontEnd
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.service import InferenceService
 from serving.tenants import Tenant, TenantBook, parse_tenants
@@ -51,7 +52,8 @@ LOOPBACK = ("127.", "localhost:", "[::1]:")
 class ServeConfig:
     model: str = "smollm2-135m"
     host: str = "127.0.0.1"
-    port: int = 50051  # 0: any free port
+    port: int = 50051  # 0: any free port; -1: no gRPC port (an HTTP-only server: `python -m serving.http`)
+    http_port: int = -1  # the OpenAI-compatible HTTP API (serving/openai_routes.py); 0: any free port; -1: off
     max_queued: int = 1024  # requests waiting to start beyond engine.max_seqs running; more: RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0  # how long in-flight requests may finish on shutdown
     metrics_host: str = "127.0.0.1"
@@ -109,6 +111,10 @@ def check_role(config: ServeConfig, engine: EngineConfig) -> None:
     if config.role != "both" and not (engine.kv_store and engine.prefix_caching):
         raise ConfigError(f"serve.role {config.role!r} needs engine.kv_store (the KV store both workers share) "
                           "and engine.prefix_caching")
+    if config.http_port >= 0 and config.role != "both":
+        raise ConfigError(f"serve.http_port: the HTTP API is served by role 'both' only, not {config.role!r}")
+    if config.port < 0 and config.http_port < 0:
+        raise ConfigError("serve.port and serve.http_port are both off (-1): the server would serve nothing")
     if (config.role == "decode") != bool(config.prefill_peers):
         raise ConfigError("serve.prefill_peers must be set for role 'decode', and only for it")
     timeout = config.prefill_timeout_seconds
@@ -162,11 +168,28 @@ class InferenceServer:
         self._not_serving: asyncio.Future | None = None  # health's switch to NOT_SERVING when the engine dies
         self._compiles_at_serving = 0  # XLA_COMPILES when serving began
         self._server: grpc.aio.Server | None = None  # created in `start`, on the serving event loop
+        self.http = HttpFrontEnd(self.service, config.host, config.http_port) if config.http_port >= 0 else None
         self.port = 0
+        self.http_port: int | None = None
         self.metrics_port: int | None = None
 
     async def start(self) -> int:
-        """Binds the port and answers health checks at once (NOT_SERVING); returns the port."""
+        """Binds the ports and answers health checks at once (NOT_SERVING); returns the gRPC port (-1: none)."""
+        if self.http is not None:
+            self.http_port = await self.http.start()
+        if self.config.port >= 0:
+            await self._start_grpc()
+        else:
+            self.port = -1
+        if self.config.metrics_port >= 0:
+            self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
+        auth = f"{len(self.config.tenants)} tenants" if self.config.auth else "OFF (local use: no API keys checked)"
+        log.info("listening on %s: gRPC port %d, HTTP port %s (role %s, TLS %s, authentication %s, metrics port %s)",
+                 self.config.host, self.port, self.http_port, self.config.role,
+                 "on" if self.config.tls_cert else "off", auth, self.metrics_port)
+        return self.port
+
+    async def _start_grpc(self) -> None:
         self._server = grpc.aio.server()
         self.service.register(self._server)
         if self.prefill is not None:
@@ -187,12 +210,6 @@ class InferenceServer:
         else:
             self.port = self._server.add_insecure_port(address)
         await self._server.start()
-        if self.config.metrics_port >= 0:
-            self.metrics_port = self.metrics.serve(self.config.metrics_host, self.config.metrics_port)
-        auth = f"{len(self.config.tenants)} tenants" if self.config.auth else "OFF (local use: no API keys checked)"
-        log.info("listening on %s:%d (role %s, TLS %s, authentication %s, metrics port %s)", self.config.host,
-                 self.port, self.config.role, "on" if self.config.tls_cert else "off", auth, self.metrics_port)
-        return self.port
 
     def _prefill_router(self) -> PrefillRouter:
         config = self.config
@@ -238,7 +255,10 @@ class InferenceServer:
         deadline = asyncio.get_running_loop().time() + self.config.grace_seconds
         while self.service.active and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
-        await self._server.stop(grace=1.0)
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.worker is not None:
             self.worker.stop()
         if self.lockstep is not None:  # after the engine thread: no step is sent after `stop`
@@ -248,4 +268,5 @@ class InferenceServer:
         self.metrics.close()
 
     async def wait(self) -> None:
-        await self._server.wait_for_termination()
+        if self._server is not None:
+            await self._server.wait_for_termination()

@@ -206,7 +206,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                 if delta.error is not None:
                     status, code = delta_failure(delta)
                     await context.abort(code, delta.error)
-                last = self._observe_latency(delta, started, last)
+                last = self.observe_latency(delta, started, last)
                 yield self._response(engine_req.request_id, engine_req, delta)
                 if delta.final is not None:
                     status, final = "ok", delta.final
@@ -239,7 +239,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                                          prompt_top_logprobs=out.prompt_top_logprobs)
         return decode_request(passed), None
 
-    def _observe_latency(self, delta: Delta, started: float, last: float | None) -> float | None:
+    def observe_latency(self, delta: Delta, started: float, last: float | None) -> float | None:
         if self.metrics is None or not delta.token_ids:
             return last
         now = time.perf_counter()
