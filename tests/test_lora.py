@@ -313,3 +313,26 @@ def test_an_adapter_without_token_rows_loads_where_tokens_were_added(exec_llm, a
     assert np.abs(np.subtract(adapted.logprobs[:1], base.logprobs[:1])).max() > 1e-3  # same context: it applied
     after = exec_llm.generate_chat(chat, greedy)[0]
     assert after.token_ids == base.token_ids and np.allclose(after.logprobs, base.logprobs, atol=1e-4)
+
+
+def test_an_adapter_by_model_name_over_http(lora_llm):
+    """The OpenAI API names an adapter by `model`, as vLLM does; /v1/models lists the loaded ones."""
+    import openai
+    from servers import RunningServer
+
+    running = RunningServer(lora_llm, http_port=0)
+    running.call(running.server.load())
+    chat = [{"role": "user", "content": PROMPTS[1]}]
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.server.http_port}/v1", api_key="unused",
+                               max_retries=0, timeout=120)
+        models = {m.id: m.parent for m in client.models.list().data}
+        assert models == {"smollm2-135m": None, "a": "smollm2-135m", "b": "smollm2-135m"}
+        for name in ("a", "b"):
+            reply = client.chat.completions.create(model=name, messages=chat, max_tokens=10, temperature=0)
+            (expected,) = lora_llm.generate_chat(chat, SamplingParams(max_tokens=10, temperature=0.0), adapter=name)
+            assert reply.choices[0].message.content == expected.text and reply.model == name
+        base = client.chat.completions.create(model="smollm2-135m", messages=chat, max_tokens=10, temperature=0)
+        assert base.choices[0].message.content != expected.text
+    finally:
+        running.close()

@@ -268,3 +268,66 @@ def test_api_keys_and_tenant_limits(smollm2_llm):
         assert big.completions.create(model=MODEL, prompt="Hello", max_tokens=100, temperature=0).choices[0].text
     finally:
         running.close()
+
+
+TINY_TASKS = """\
+task: jaxinfer_tiny_{kind}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {output_type}
+doc_to_text: "{{{{question}}}}"
+doc_to_target: {target}
+{extra}
+"""
+
+
+def tiny_tasks(folder) -> list[str]:
+    """Two lm-eval tasks over tests/data/lm_eval/tiny_qa.jsonl: multiple choice (loglikelihood requests)
+    and generation (generate_until requests)."""
+    from conftest import REPO
+
+    data = REPO / "tests" / "data" / "lm_eval" / "tiny_qa.jsonl"
+    tasks = {
+        "mc": dict(output_type="multiple_choice", target="label",
+                   extra='doc_to_choice: "{{choices}}"\nmetric_list:\n  - metric: acc'),
+        "gen": dict(output_type="generate_until", target='"{{answer}}"',
+                    extra='generation_kwargs:\n  until: ["\\n", "."]\n  max_gen_toks: 6\n  do_sample: false\n'
+                          "metric_list:\n  - metric: exact_match"),
+    }
+    for kind, fields in tasks.items():
+        (folder / f"{kind}.yaml").write_text(TINY_TASKS.format(kind=kind, data=data, **fields))
+    return [f"jaxinfer_tiny_{kind}" for kind in tasks]
+
+
+def test_lm_eval_loglikelihoods_equal_prompt_logprobs(smollm2_llm, server, tmp_path, monkeypatch):
+    """lm-eval's `local-completions` model with the server's own tokenizer (`remote`: /tokenize, /tokenizer_info)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    names = tiny_tasks(tmp_path)
+    results = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={"base_url": f"{server.base}/v1/completions", "model": MODEL, "tokenizer_backend": "remote",
+                    "num_concurrent": 1, "max_retries": 1, "max_length": 512},
+        tasks=names, task_manager=TaskManager(include_path=str(tmp_path)), log_samples=True,
+        num_fewshot=0, apply_chat_template=False)
+    mc, gen = (results["samples"][name] for name in names)
+    assert len(mc) == 4 and len(gen) == 4
+    tokenizer = smollm2_llm.tokenizer
+    for sample in mc:
+        for (context, continuation), ((loglikelihood, _),) in zip(sample["arguments"], sample["resps"], strict=True):
+            whole = tokenizer.encode_user(context + continuation)
+            context_len = len(tokenizer.encode_user(context))
+            (scored,) = smollm2_llm.generate(whole, greedy(1, prompt_logprobs=0))
+            assert loglikelihood == pytest.approx(sum(scored.prompt_logprobs[context_len:]), abs=1e-4)
+    for sample in gen:
+        context = sample["arguments"][0][0]
+        (expected,) = smollm2_llm.generate(tokenizer.encode_user(context), greedy(6, stop=("\n", ".")))
+        assert sample["resps"][0][0] == expected.text
+    assert 0 <= results["results"][names[0]]["acc,none"] <= 1

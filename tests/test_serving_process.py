@@ -120,3 +120,39 @@ def test_sigterm_while_the_model_loads_exits_at_once(tmp_path):
     log = proc.stderr.read()
     assert "stopped while the model was loading" in log and "Traceback" not in log
     assert "warm-up" not in log  # the load never finished: nothing waited for it
+
+
+def test_the_http_server_process_serves_openai_clients_and_drains_on_sigterm(tmp_path):
+    """`python -m serving.http`: /health 503 while loading, then an openai stream that SIGTERM lets finish."""
+    import httpx2 as httpx
+    import openai
+
+    config = tmp_path / "serve.toml"
+    config.write_text(CONFIG)
+    proc = subprocess.Popen([sys.executable, "-m", "serving.http", "--config", str(config), "--port", "0"], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ))
+    try:
+        listening = json.loads(proc.stdout.readline())
+        assert listening["port"] == -1  # no gRPC port unless --grpc-port asks for one
+        base = f"http://127.0.0.1:{listening['http_port']}"
+        codes = [httpx.get(f"{base}/health").status_code]
+        deadline = time.time() + 300
+        while codes[-1] != 200 and time.time() < deadline:
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+            codes.append(httpx.get(f"{base}/health").status_code)
+        assert codes[0] == 503 and codes[-1] == 200
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.completions.create(model="smollm2-135m", prompt="Tell me a story about a lighthouse.",
+                                           max_tokens=48, temperature=0, stream=True, extra_body={"ignore_eos": True})
+        chunks = [next(stream)]
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert httpx.get(f"{base}/health").status_code == 503
+        chunks += list(stream)  # the request in flight still finishes
+        assert chunks[-1].choices[0].finish_reason == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
