@@ -11,6 +11,7 @@ Authentication is the gRPC server's: `Authorization: Bearer <api key>` of a conf
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import time
@@ -109,11 +110,14 @@ class OpenAIFrontEnd:
     async def chat_completions(self, request: HttpRequest) -> Response:
         tenant = self.admit(request)
         body: ChatCompletionBody = read_body(ChatCompletionBody, await json_body(request))
-        params = body.sampling_params(self.default_max_tokens)
+        params = body.sampling_params(default_max_tokens=1)
         messages = body.template_messages()
 
         def encode() -> list[Request]:
-            return [self.service.llm.chat_request(messages, params)]
+            request = self.service.llm.chat_request(messages, params)
+            if body.token_limit is None:  # as vLLM: what the context (and the KV pool) leaves after the prompt
+                request.params = dataclasses.replace(params, max_tokens=self.room_after(len(request.prompt_ids)))
+            return [request]
 
         return await self._generate(request, tenant, body, encode, CompletionAssembler.chat(self, body))
 
@@ -128,9 +132,11 @@ class OpenAIFrontEnd:
 
         return await self._generate(request, tenant, body, encode, CompletionAssembler.text(self, body, prompts))
 
-    @property
-    def default_max_tokens(self) -> int:
-        return self.service.llm.max_model_len
+    def room_after(self, prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length can be followed by: the context's and the pool's limit."""
+        llm = self.service.llm
+        pool_tokens = (llm.config.num_pages - 1) * llm.config.page_size
+        return max(1, min(llm.max_model_len, pool_tokens) - prompt_tokens)
 
     async def _generate(self, request: HttpRequest, tenant: Tenant, body, encode: Callable[[], list[Request]],
                         assembler: CompletionAssembler) -> Response:
@@ -148,7 +154,8 @@ class OpenAIFrontEnd:
         try:
             prompts = await asyncio.to_thread(encode)
             requests = fan_out(prompts, body.n, tenant, adapter, call_id)
-            release.charge(sum(len(r.prompt_ids) + r.params.max_tokens for r in requests))
+            longest = self.service.llm.max_model_len
+            release.charge(sum(min(len(r.prompt_ids) + r.params.max_tokens, longest) for r in requests))
             call = GenerationCall(self.service, tenant, requests, lambda: wait_for_disconnect(request))
             call.submit()
         except BaseException:

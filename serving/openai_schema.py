@@ -130,8 +130,13 @@ class ChatCompletionBody(_Body):
         self.check_choices()
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise BodyError("max_tokens and max_completion_tokens: give one of them, not both", "max_tokens")
-        limit = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling(limit, default_max_tokens, logprobs=self.logprobs, top_logprobs=self.top_logprobs or 0)
+        return self.sampling(self.token_limit, default_max_tokens, logprobs=self.logprobs,
+                             top_logprobs=self.top_logprobs or 0)
+
+    @property
+    def token_limit(self) -> int | None:
+        """max_completion_tokens or max_tokens, whichever is given; None: the rest of the context."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, str]]:
         return [message.as_template_message() for message in self.messages]

@@ -71,6 +71,14 @@ def test_chat_equals_generate_chat_and_reports_usage(smollm2_llm, client):
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(smollm2_llm, client):
+    """No max_tokens: what the context and the pool leave after the prompt (the test pool holds less than
+    max_model_len, so the context's limit alone would be refused)."""
+    (expected,) = smollm2_llm.generate_chat(CHAT, greedy(64, stop=(" ",)))
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, stop=[" "])
+    assert reply.choices[0].message.content == expected.text and reply.choices[0].finish_reason == "stop"
+
+
 def test_completions_of_text_lists_and_token_ids_equal_generate(smollm2_llm, client):
     prompts = ["The capital of France is", "1, 2, 3,"]
     expected = smollm2_llm.generate(prompts, greedy(8))

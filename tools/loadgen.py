@@ -1,7 +1,14 @@
-"""Load generator for the gRPC server: Poisson arrivals, concurrent streams; throughput and latency percentiles.
+"""Load generator for the gRPC and HTTP servers: Poisson arrivals, concurrent streams; throughput and latency.
 
     python tools/loadgen.py --serve configs/serve-smollm2.toml --requests 64 --rate 2 --concurrency 32
     python tools/loadgen.py --target 127.0.0.1:50051 --requests 200 --rate 8
+    python tools/loadgen.py --serve configs/serve-smollm2.toml --front both --requests 128 --rate 1000
+
+`--front grpc` (the default) drives the gRPC API, `http` the OpenAI-compatible one (streamed
+/v1/completions; `--http-target host:port` with `--target`), and `both` runs the same workload
+(same seed: same prompts and arrival times) through gRPC and then HTTP on one server and reports
+the HTTP front end's throughput as a ratio of gRPC's. Over HTTP an inter-token latency is the gap
+between stream chunks (one chunk per engine step, as each gRPC message is).
 
 `--serve CONFIG` starts `python -m serving` with that config on a free port, waits for SERVING,
 runs the load and stops it with SIGTERM; `--target` uses a running server. Requests arrive as a
@@ -26,6 +33,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx2
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,26 +72,65 @@ async def one_request(client: AsyncInferenceClient, prompt: str, max_tokens: int
         record["errors"][exc.code().name] = record["errors"].get(exc.code().name, 0) + 1
 
 
-async def run_load(args: argparse.Namespace, target: str) -> dict:
+async def one_http_request(client: httpx2.AsyncClient, prompt: str, max_tokens: int, record: dict) -> None:
+    """A streamed /v1/completions call; its token count from the usage chunk at the end."""
+    body = {"model": "", "prompt": prompt, "max_tokens": max_tokens, "min_tokens": max_tokens, "ignore_eos": True,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    last = None
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            record["errors"][str(response.status_code)] = record["errors"].get(str(response.status_code), 0) + 1
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                record["tokens"] += chunk["usage"]["completion_tokens"]
+            if not chunk.get("choices") or not chunk["choices"][0]["text"]:
+                continue
+            now = time.perf_counter()
+            if last is None:
+                record["ttft"].append(now - sent)
+            else:
+                record["itl"].append(now - last)
+            last = now
+    record["ok"] += 1
+
+
+async def run_load(args: argparse.Namespace, target: str, front: str = "grpc") -> dict:
     rng = random.Random(args.seed)
     record = {"ttft": [], "itl": [], "tokens": 0, "ok": 0, "errors": {}}
     gate = asyncio.Semaphore(args.concurrency)
 
     async def gated(prompt: str) -> None:
         async with gate:
-            await one_request(client, prompt, args.max_tokens, record)
+            if front == "http":
+                await one_http_request(client, prompt, args.max_tokens, record)
+            else:
+                await one_request(client, prompt, args.max_tokens, record)
 
-    async with AsyncInferenceClient(target, timeout=args.timeout, api_key=args.api_key) as client:
+    if front == "http":
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        client_cm = httpx2.AsyncClient(base_url=f"http://{target}", timeout=args.timeout, headers=headers,
+                                       limits=httpx2.Limits(max_connections=args.concurrency + 4))
+    else:
+        client_cm = AsyncInferenceClient(target, timeout=args.timeout, api_key=args.api_key)
+    async with client_cm as client:
         start = time.perf_counter()
         tasks = []
         for _ in range(args.requests):
             words = rng.randint(args.min_words, args.max_words)
-            tasks.append(asyncio.create_task(gated(" ".join(rng.choice(WORDS) for _ in range(words)))))
+            # The front's name first: the second run of `--front both` finds none of the first's pages cached.
+            prompt = " ".join([front, *(rng.choice(WORDS) for _ in range(words))])
+            tasks.append(asyncio.create_task(gated(prompt)))
             await asyncio.sleep(rng.expovariate(args.rate))
         await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
     return {
-        "what": "loadgen", "target": target, "requests": args.requests, "rate_per_s": args.rate,
+        "what": "loadgen", "front": front, "target": target, "requests": args.requests, "rate_per_s": args.rate,
         "concurrency": args.concurrency, "max_tokens": args.max_tokens, "wall_s": round(wall, 2),
         "ok": record["ok"], "errors": record["errors"],
         "requests_per_s": round(record["ok"] / wall, 3), "output_tokens_per_s": round(record["tokens"] / wall, 1),
@@ -91,14 +138,16 @@ async def run_load(args: argparse.Namespace, target: str) -> dict:
     }
 
 
-def start_server(config: str) -> tuple[subprocess.Popen, str]:
-    """Starts the server (its log in a temporary file) and waits until health says SERVING."""
-    command = [sys.executable, "-m", "serving", "--config", config, "--port", "0", "--metrics-port", "-1"]
+def start_server(config: str) -> tuple[subprocess.Popen, str, str]:
+    """Starts the server with both APIs (its log in a temporary file), waits until health says SERVING;
+    returns the process, the gRPC target and the HTTP target."""
+    command = [sys.executable, "-m", "serving", "--config", config, "--port", "0", "--metrics-port", "-1",
+               "--http-port", "0"]
     with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
         proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
                                 env=dict(os.environ))
     listening = json.loads(proc.stdout.readline())
-    target = f"127.0.0.1:{listening['port']}"
+    target, http_target = f"127.0.0.1:{listening['port']}", f"127.0.0.1:{listening['http_port']}"
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.time() + 600
@@ -109,7 +158,7 @@ def start_server(config: str) -> tuple[subprocess.Popen, str]:
                 raise SystemExit(f"the server exited; its log: {log.name}")
             status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
             if status == health_pb2.HealthCheckResponse.SERVING:
-                return proc, target
+                return proc, target, http_target
             time.sleep(0.5)
     raise SystemExit("the server did not become ready")
 
@@ -128,13 +177,24 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--api-key", default="")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--front", choices=("grpc", "http", "both"), default="grpc")
+    p.add_argument("--http-target", help="host:port of a running server's HTTP API (with --target)")
     args = p.parse_args()
     proc = None
-    target = args.target
+    target, http_target = args.target, args.http_target or args.target
     if args.serve:
-        proc, target = start_server(args.serve)
+        proc, target, http_target = start_server(args.serve)
     try:
-        print(json.dumps(asyncio.run(run_load(args, target))), flush=True)
+        fronts = ("grpc", "http") if args.front == "both" else (args.front,)
+        results = [asyncio.run(run_load(args, http_target if front == "http" else target, front)) for front in fronts]
+        for result in results:
+            print(json.dumps(result), flush=True)
+        if len(results) == 2:
+            grpc_run, http_run = results
+            print(json.dumps({"what": "http_over_grpc",
+                              "requests_per_s": round(http_run["requests_per_s"] / grpc_run["requests_per_s"], 3),
+                              "output_tokens_per_s": round(http_run["output_tokens_per_s"]
+                                                           / grpc_run["output_tokens_per_s"], 3)}), flush=True)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
