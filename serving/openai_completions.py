@@ -84,13 +84,16 @@ class CompletionAssembler:
         return fmt.completion_choice(choice.index, text, "length" if not generated else choice.finish_reason,
                                      logprobs)
 
+    def _echo_len(self, choice: ChoiceState) -> int:
+        return len(self._echo(choice)) if self.body.echo else 0
+
     def _echo(self, choice: ChoiceState) -> str:
         prompt = self.prompts[choice.index // self.body.n]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
     def _scored(self, choice: ChoiceState) -> tuple[list[int], list[float | None], list]:
         """The prompt's ids, each one's logprob (None for the first) and alternatives (None for the first)."""
-        ids = list(choice.final.prompt_token_ids)
+        ids = list(self.call.requests[choice.index].prompt_ids)
         scores = list(choice.prompt_logprobs or [None] * len(ids))
         tops = list(choice.prompt_top_logprobs or [[] for _ in ids])
         tops[0] = None
@@ -106,6 +109,8 @@ class CompletionAssembler:
             if first is not None:
                 yield first
         async for update in self.call.updates():
+            if self._streams_prompt_scores and update.delta.prompt_logprobs is not None:  # once, before its text
+                yield self._text_chunk([self._scored_echo(update.choice)])
             chunk = self._delta_chunk(update)
             if chunk is not None:
                 yield chunk
@@ -118,9 +123,19 @@ class CompletionAssembler:
     def _first_chunk(self, choice: ChoiceState) -> dict[str, Any] | None:
         if self.is_chat:
             return self._chat_chunk([fmt.chat_chunk_choice(choice.index, {"role": "assistant", "content": ""})])
-        if self.body.echo:
+        if self.body.echo and not self._streams_prompt_scores:
             return self._text_chunk([fmt.completion_choice(choice.index, self._echo(choice), None, None)])
         return None
+
+    @property
+    def _streams_prompt_scores(self) -> bool:
+        """echo with logprobs: the echoed prompt waits for its scores, which come with the first tokens."""
+        return not self.is_chat and self.body.echo and self.body.logprobs is not None
+
+    def _scored_echo(self, choice: ChoiceState) -> dict[str, Any]:
+        ids, scores, tops = self._scored(choice)
+        logprobs = fmt.legacy_logprobs(self.tokenizer, ids, scores, tops, self.body.logprobs)
+        return fmt.completion_choice(choice.index, self._echo(choice), None, logprobs)
 
     def _delta_chunk(self, update: Update) -> dict[str, Any] | None:
         choice, delta = update.choice, update.delta
@@ -137,7 +152,8 @@ class CompletionAssembler:
         logprobs = None
         if self.body.logprobs is not None:
             logprobs = fmt.legacy_logprobs(self.tokenizer, delta.token_ids, delta.logprobs, delta.top_logprobs,
-                                           self.body.logprobs, offset=len(choice.text) - len(delta.text))
+                                           self.body.logprobs, offset=self._echo_len(choice) + len(choice.text)
+                                           - len(delta.text))
         return self._text_chunk([fmt.completion_choice(choice.index, delta.text, finish, logprobs)])
 
     def _chat_chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:

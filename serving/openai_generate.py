@@ -80,8 +80,7 @@ class GenerationCall:
                 self._streams.append(self.service.worker.submit(request, self._deliverer(loop, index)))
         except JaxinferError as exc:
             self._cancel_all()
-            if isinstance(exc, RequestError):  # the front end names the field it came from
-                self.service.count("invalid")
+            if isinstance(exc, RequestError):  # the front end names the field it came from, and counts it
                 raise
             status, code = refusal_status(exc)
             self.service.count("limited" if status == 429 else "error")

@@ -60,8 +60,7 @@ class OpenAIFrontEnd:
             Route("/metrics", self.metrics, methods=["GET"]),
         ])
 
-    @staticmethod
-    def _guarded(handler: Callable[[HttpRequest], Any]) -> Callable[[HttpRequest], Any]:
+    def _guarded(self, handler: Callable[[HttpRequest], Any]) -> Callable[[HttpRequest], Any]:
         async def guarded(request: HttpRequest) -> Response:
             try:
                 return await handler(request)
@@ -71,6 +70,8 @@ class OpenAIFrontEnd:
                 param = exc.param if isinstance(exc, BodyError) else field_of(str(exc))
                 if param in ("prompt", "prompt_token_ids"):  # the engine's name for what the body sent
                     param = "messages" if request.url.path.endswith("chat/completions") else "prompt"
+                if request.url.path.endswith("completions"):  # generation calls, as gRPC counts Generate's
+                    self.service.count("invalid")
                 return failure(CallFailed(400, str(exc), param))
         return guarded
 

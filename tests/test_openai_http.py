@@ -155,6 +155,17 @@ def test_scoring_a_prompt_with_max_tokens_zero_equals_prompt_logprobs(smollm2_ll
     assert all(len(top) == 2 for top in choice.logprobs.top_logprobs[1:])
 
 
+def test_a_streamed_echo_with_logprobs_equals_the_whole_reply(client):
+    ask = dict(model=MODEL, prompt="The quick brown fox", max_tokens=5, temperature=0, echo=True, logprobs=2)
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    assert "".join(c.text for c in chunks) == whole.text
+    streamed = [c.logprobs for c in chunks if c.logprobs is not None]
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        joined = [value for part in streamed for value in getattr(part, name)]
+        assert joined == getattr(whole.logprobs, name), name
+
+
 def test_stop_strings_end_the_text_before_them(smollm2_llm, client):
     (free,) = smollm2_llm.generate_chat(CHAT, greedy(24))
     stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 3]
