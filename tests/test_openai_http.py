@@ -29,6 +29,8 @@ def server(smollm2_llm):
     base = f"http://127.0.0.1:{running.server.http_port}"
     loading = httpx.get(f"{base}/health")
     assert loading.status_code == 503 and "loading" in loading.json()["error"]["message"]
+    early = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert early.status_code == 503 and early.json()["error"]["type"] == "service_unavailable"
     running.call(running.server.load())
     running.base = base
     yield running
@@ -219,6 +221,15 @@ def test_extra_body_fields_reach_the_engine(smollm2_llm, client):
     reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
                                            extra_body={"repetition_penalty": 1.3, "min_tokens": 4})
     assert reply.choices[0].message.content == expected.text
+
+
+def test_logit_bias_with_openais_string_keys(smollm2_llm, client):
+    (free,) = smollm2_llm.generate("The capital of France is", greedy(1))
+    banned = {str(free.token_ids[0]): -100}
+    (expected,) = smollm2_llm.generate("The capital of France is", greedy(4, logit_bias=banned))
+    reply = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                      logit_bias=banned)
+    assert reply.choices[0].text == expected.text and not expected.text.startswith(free.text)
 
 
 def test_forged_control_tokens_in_messages_stay_text(smollm2_llm, server, client):
