@@ -10,34 +10,33 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from serving import openai_format as fmt
 from serving.openai_format import ChoiceState
 from serving.openai_generate import GenerationCall, Update
 from serving.openai_schema import ChatCompletionBody, CompletionBody
-
-if TYPE_CHECKING:
-    from serving.openai_routes import OpenAIFrontEnd
+from serving.service import InferenceService
 
 
 class CompletionAssembler:
-    def __init__(self, front: OpenAIFrontEnd, body: ChatCompletionBody | CompletionBody, is_chat: bool,
+    def __init__(self, service: InferenceService, body: ChatCompletionBody | CompletionBody, is_chat: bool,
                  prompts: list[str | list[int]] | None = None):
-        self.tokenizer = front.service.llm.tokenizer
-        self.model = body.model or front.service.model_name
+        self.tokenizer = service.llm.tokenizer
+        self.model = body.model or service.model_name
         self.body, self.is_chat, self.prompts = body, is_chat, prompts
         self.id_prefix = "chatcmpl" if is_chat else "cmpl"
         self.created = int(time.time())
         self.call_id, self.call = "", None
 
     @classmethod
-    def chat(cls, front: OpenAIFrontEnd, body: ChatCompletionBody) -> CompletionAssembler:
-        return cls(front, body, is_chat=True)
+    def chat(cls, service: InferenceService, body: ChatCompletionBody) -> CompletionAssembler:
+        return cls(service, body, is_chat=True)
 
     @classmethod
-    def text(cls, front: OpenAIFrontEnd, body: CompletionBody, prompts: list[str | list[int]]) -> CompletionAssembler:
-        return cls(front, body, is_chat=False, prompts=prompts)
+    def text(cls, service: InferenceService, body: CompletionBody, prompts: list[str | list[int]]
+             ) -> CompletionAssembler:
+        return cls(service, body, is_chat=False, prompts=prompts)
 
     def start(self, call_id: str, call: GenerationCall) -> None:
         self.call_id, self.call = call_id, call

@@ -120,7 +120,7 @@ class OpenAIFrontEnd:
                 request.params = dataclasses.replace(params, max_tokens=self.room_after(len(request.prompt_ids)))
             return [request]
 
-        return await self._generate(request, tenant, body, encode, CompletionAssembler.chat(self, body))
+        return await self._generate(request, tenant, body, encode, CompletionAssembler.chat(self.service, body))
 
     async def completions(self, request: HttpRequest) -> Response:
         tenant = self.admit(request)
@@ -131,7 +131,8 @@ class OpenAIFrontEnd:
         def encode() -> list[Request]:
             return [self.service.llm.request(prompt, params) for prompt in prompts]
 
-        return await self._generate(request, tenant, body, encode, CompletionAssembler.text(self, body, prompts))
+        assembler = CompletionAssembler.text(self.service, body, prompts)
+        return await self._generate(request, tenant, body, encode, assembler)
 
     def room_after(self, prompt_tokens: int) -> int:
         """The most tokens a prompt of this length can be followed by: the context's and the pool's limit."""
