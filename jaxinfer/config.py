@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.errors import ConfigError
+from jaxinfer.machine_shape import EXEC_LOOPS, MachineShape
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
-EXEC_LOOPS = ("auto", "while", "pallas")  # processor.machine.MachineShape.loop
 RAGGED_REFERENCE_MAX_LEN = 4096  # the plain-JAX TPU contract's memory grows with the context
 # layers.attention.make_backend
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "ragged_reference")
@@ -326,9 +326,7 @@ class EngineConfig:
             raise ConfigError(f"engine.exec_max_running must be >= 0, got {self.exec_max_running}")
 
     @property
-    def exec_machine_shape(self):
-        from jaxinfer.processor.machine import MachineShape
-
+    def exec_machine_shape(self) -> MachineShape:
         return MachineShape(self.exec_slots, self.exec_code_records, self.exec_registers, self.exec_memory_pages,
                             self.exec_max_call_depth, self.exec_trace_entries, self.exec_loop)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxinfer.config import EXEC_LOOPS
+from jaxinfer.machine_shape import EXEC_LOOPS
 from jaxinfer.processor import (
     Instance,
     InvalidModule,

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from jaxinfer.config import EXEC_LOOPS
+from jaxinfer.machine_shape import EXEC_LOOPS
 
 MASK64 = (1 << 64) - 1
 LCG_X = (6364136223846793005, 1442695040888963407)  # Knuth's MMIX 64-bit LCG

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -27,35 +26,11 @@ import numpy as np
 from jax import lax
 from jax.experimental.xla_metadata import set_xla_metadata
 
-from jaxinfer.config import EXEC_LOOPS
+from jaxinfer.machine_shape import PAGE_BYTES, MachineShape
 from jaxinfer.processor import alu
 from jaxinfer.processor.isa import ABSOLUTE, FIELD, LOAD_SIGNED, LOAD_WIDE, NO_WRITE, Op, Status, Trap
 
-PAGE_BYTES = 65536
 U32 = jnp.uint32
-
-
-@dataclass(frozen=True)
-class MachineShape:
-    """The static sizes one compiled machine serves."""
-
-    slots: int
-    code_length: int
-    registers: int
-    memory_pages: int
-    max_depth: int
-    trace_entries: int = 0  # per-slot trace buffer rows (0: tracing compiled out)
-    # "auto": one kernel on the CPU, a while loop elsewhere; "while": the while loop everywhere;
-    # "pallas": the Pallas kernel of gpu_kernel.py on CUDA GPUs (its interpreter on the CPU)
-    loop: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.loop not in EXEC_LOOPS:
-            raise ValueError(f"loop must be one of {EXEC_LOOPS}, got {self.loop!r}")
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.memory_pages * PAGE_BYTES
 
 
 class MachineState(NamedTuple):

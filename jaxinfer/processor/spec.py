@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jaxinfer.config import EXEC_LOOPS
+from jaxinfer.machine_shape import EXEC_LOOPS
 from jaxinfer.processor.binary import MalformedModule
 from jaxinfer.processor.instance import Instance, compile_module, to_binary
 from jaxinfer.processor.lower import Unsupported
