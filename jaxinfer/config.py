@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
 RAGGED_REFERENCE_MAX_LEN = 4096  # the plain-JAX TPU contract's memory grows with the context
-# layers.attention.make_backend
+# layers.backends.make_backend
 ATTENTION_BACKENDS = ("auto", "reference", "pallas_gpu", "pallas_tpu", "ragged_reference")
 
 

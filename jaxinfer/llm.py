@@ -26,7 +26,7 @@ from jaxinfer.engine.step import ModelRunner
 from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
 from jaxinfer.kv.store import ModelIdentity, PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
-from jaxinfer.layers.attention import make_backend
+from jaxinfer.layers.backends import make_backend
 from jaxinfer.parallel import make_mesh, replica_meshes
 from jaxinfer.parallel.distributed import ProcessGroup, initialize
 from jaxinfer.parallel.lockstep import Follower, Leader, connect

@@ -10,8 +10,6 @@ from __future__ import annotations
 import grimp
 
 KNOWN_CIRCLES = {  # (importer, imported) whose imported module imports the importer back
-    ("jaxinfer.layers.attention", "jaxinfer.layers.pallas_attention"),
-    ("jaxinfer.layers.attention", "jaxinfer.layers.ragged_attention"),
     ("jaxinfer.processor.gpu_kernel", "jaxinfer.processor.machine"),
 }
 

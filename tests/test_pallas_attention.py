@@ -14,7 +14,8 @@ import pytest
 from attention_cases import CASES, HEAD_DIM, ragged_batch, reference_output, with_padding
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention, backend_name, make_backend
+from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention
+from jaxinfer.layers.backends import backend_name, make_backend
 from jaxinfer.layers.kv_layout import KVCache
 from jaxinfer.layers.pallas_attention import PallasGpuAttention, max_query_tiles, query_tiles
 

@@ -18,7 +18,8 @@ from attention_cases import CASES, moved_into, ragged_batch, reference_output, w
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.layers.attention import AttentionMetadata, backend_name, make_backend
+from jaxinfer.layers.attention import AttentionMetadata
+from jaxinfer.layers.backends import backend_name, make_backend
 from jaxinfer.layers.kv_layout import CombinedPages, SplitPages
 from jaxinfer.layers.ragged_attention import RaggedPagedAttention, contract_reference, ragged_segments
 

@@ -184,7 +184,7 @@ def bench(args: argparse.Namespace) -> None:
     from step_profile import profile_decode
 
     from jaxinfer import LLM
-    from jaxinfer.layers.attention import backend_name
+    from jaxinfer.layers.backends import backend_name
 
     on_cpu = jax.default_backend() == "cpu"
     config = args.engine_config or str(REPO / "configs" / ("engine-cpu.toml" if on_cpu else "engine-gpu.toml"))

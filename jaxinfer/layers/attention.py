@@ -15,7 +15,8 @@ real row and position 0 and write to the null page.
 each tile in blocks of pages with an online softmax, so memory stays bounded for long contexts. A
 tile whose tokens all belong to one sequence (a prefill chunk) gathers each key block once; a mixed
 tile (decode tokens of different sequences) gathers per token. Accelerator kernels implement the
-same `AttentionBackend` protocol and plug in without touching the model.
+same `AttentionBackend` protocol and plug in without touching the model; `layers/backends.py`, above
+them all, picks one by name.
 """
 
 from __future__ import annotations
@@ -29,8 +30,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
-from jaxinfer.config import ATTENTION_BACKENDS
-from jaxinfer.errors import ConfigError
 from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
 from jaxinfer.parallel.mesh import MESH_AXES
 
@@ -195,43 +194,6 @@ class _BlockAttention:
         )
         _, denom, acc = lax.fori_loop(0, num_blocks, body, init)
         return jnp.swapaxes(acc / denom[..., None], 0, 1)
-
-
-KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}  # each kernel backend and where it compiles
-AUTO_BACKEND = {platform: name for name, platform in KERNEL_PLATFORMS.items()}  # elsewhere: the reference
-
-
-def backend_name(name: str, platform: str | None = None) -> str:
-    """The backend a setting means here: ``auto`` picks the platform's Pallas kernel, else the reference."""
-    if name != "auto":
-        return name
-    return AUTO_BACKEND.get(platform or jax.default_backend(), "reference")
-
-
-def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
-                 platform: str | None = None) -> AttentionBackend:
-    """The backend for a replica whose mesh has `model_parallel` devices on its model axis."""
-    platform = platform or jax.default_backend()
-    name = backend_name(name, platform)
-    needed = KERNEL_PLATFORMS.get(name)
-    if needed is not None and needed != platform:
-        raise ConfigError(f"engine.attention_backend = {name} compiles only for {needed.upper()}s, and this "
-                          f"platform is {platform} (use auto or reference; ragged_reference runs the TPU "
-                          f"backend's layout anywhere)")
-    if name == "reference":
-        return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
-    if name == "pallas_gpu":
-        from jaxinfer.layers.pallas_attention import PallasGpuAttention
-
-        return PallasGpuAttention(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
-    if name in ("pallas_tpu", "ragged_reference"):
-        from jaxinfer.layers.ragged_attention import RaggedPagedAttention
-
-        settings = dict(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
-        if name == "pallas_tpu":
-            return RaggedPagedAttention.tpu_kernel(**settings)
-        return RaggedPagedAttention.plain_jax(**settings)
-    raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,49 @@
+"""The attention backend registry: `engine.attention_backend` names -> backends, checked for the platform.
+
+It sits above the backends (`attention.ReferenceAttention`, `pallas_attention`, `ragged_attention`),
+which share the metadata and helpers of `layers/attention.py` and never import this module.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxinfer.config import ATTENTION_BACKENDS
+from jaxinfer.errors import ConfigError
+from jaxinfer.layers.attention import AttentionBackend, ReferenceAttention
+
+KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}  # each kernel backend and where it compiles
+AUTO_BACKEND = {platform: name for name, platform in KERNEL_PLATFORMS.items()}  # elsewhere: the reference
+
+
+def backend_name(name: str, platform: str | None = None) -> str:
+    """The backend a setting means here: ``auto`` picks the platform's Pallas kernel, else the reference."""
+    if name != "auto":
+        return name
+    return AUTO_BACKEND.get(platform or jax.default_backend(), "reference")
+
+
+def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
+                 platform: str | None = None) -> AttentionBackend:
+    """The backend for a replica whose mesh has `model_parallel` devices on its model axis."""
+    platform = platform or jax.default_backend()
+    name = backend_name(name, platform)
+    needed = KERNEL_PLATFORMS.get(name)
+    if needed is not None and needed != platform:
+        raise ConfigError(f"engine.attention_backend = {name} compiles only for {needed.upper()}s, and this "
+                          f"platform is {platform} (use auto or reference; ragged_reference runs the TPU "
+                          f"backend's layout anywhere)")
+    if name == "reference":
+        return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
+    if name == "pallas_gpu":
+        from jaxinfer.layers.pallas_attention import PallasGpuAttention
+
+        return PallasGpuAttention(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
+    if name in ("pallas_tpu", "ragged_reference"):
+        from jaxinfer.layers.ragged_attention import RaggedPagedAttention
+
+        settings = dict(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
+        if name == "pallas_tpu":
+            return RaggedPagedAttention.tpu_kernel(**settings)
+        return RaggedPagedAttention.plain_jax(**settings)
+    raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
