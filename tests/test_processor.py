@@ -21,6 +21,7 @@ from jaxinfer.processor import (
     MalformedModule,
     Unsupported,
     compile_module,
+    loops,
     machine,
     run,
     run_slots,
@@ -212,7 +213,7 @@ def test_the_cpu_compiles_the_machine_loop_as_one_kernel() -> None:
     def compiled_text(loop: str) -> str:
         shape = machine.MachineShape(2, 256, 64, 1, 8, loop=loop)
         code = jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32)
-        advance = jax.jit(lambda state, code: machine.advance(state, code, jnp.int32(4), shape))
+        advance = jax.jit(lambda state, code: loops.advance(state, code, jnp.int32(4), shape))
         return advance.lower(machine.empty_state(shape), code).compile().as_text()
 
     # XLA hoists the small 64-bit division loop inside by itself; only the machine's call is not inlineable.
@@ -266,7 +267,7 @@ def test_pallas_loop_lowers_to_triton_for_cuda_on_this_cpu() -> None:
     from jax import export
 
     shape = machine.MachineShape(4, 256, 64, 1, 8, trace_entries=8, loop="pallas")
-    advance = jax.jit(lambda state, code, steps: machine.advance(state, code, steps, shape))
+    advance = jax.jit(lambda state, code, steps: loops.advance(state, code, steps, shape))
     exported = export.export(advance, platforms=["cuda"],
                              disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
         machine.empty_state(shape), jnp.zeros((4, 256, 8), jnp.int32), jnp.int32(100))

@@ -82,7 +82,7 @@ def _kernel(steps_ref, code_ref, scalars_in, registers_in, memory_in, trace_in, 
 
 def advance(state: machine.MachineState, code: jax.Array, steps: jax.Array, shape: machine.MachineShape, *,
             interpret: bool = False) -> machine.MachineState:
-    """``machine.advance`` as one kernel."""
+    """``loops.advance`` as one kernel."""
     scalars = jnp.pad(machine.pack_scalars(state), ((0, 0), (0, SCALAR_COLUMNS - len(machine.SCALAR_FIELDS))))
     registers, memory, trace = state.registers, state.memory, state.trace
 

@@ -2,7 +2,7 @@
 
 An ``Instance`` keeps a module's globals and linear memory on the host between invocations (the
 spec tests and multi-turn state rely on that) and runs each invocation on a one-slot machine
-through ``machine.advance`` in chunks, checking the wall-clock limit between chunks.
+through ``loops.advance`` in chunks, checking the wall-clock limit between chunks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import wasmtime
 
-from jaxinfer.processor import machine
+from jaxinfer.processor import loops, machine
 from jaxinfer.processor.binary import LimitExceeded, MalformedModule, Module, decode
 from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Op, Status, Trap
 from jaxinfer.processor.lower import FunctionCode, Program, Unsupported, lower
@@ -195,7 +195,7 @@ def initial_registers(globals_: np.ndarray, code: FunctionCode, args: list[int],
 
 @functools.lru_cache(maxsize=16)
 def _advance_for(shape: machine.MachineShape):
-    return jax.jit(functools.partial(machine.advance, shape=shape), donate_argnums=0)
+    return jax.jit(functools.partial(loops.advance, shape=shape), donate_argnums=0)
 
 
 class Instance:

@@ -3,20 +3,19 @@
 State per slot (``MachineState``): the scalars of ``SCALAR_FIELDS`` (pc, frame pointer, call depth,
 status, trap code, fuel, instructions, memory pages and limits, branches, trace counters), a
 register file of (low, high) uint32 words (globals and constants first, then frames), linear memory
-as bytes, and a trace buffer. ``advance`` runs a ``lax.while_loop``
-of at most ``steps`` iterations; each iteration executes one record for every running slot with
+as bytes, and a trace buffer. ``loops.advance`` runs a ``lax.while_loop``
+of at most ``steps`` iterations of ``step``; each iteration executes one record for every running slot with
 branch-free code, so slots running different programs share one loop. The only real branch is
 64-bit division, taken when some slot divides. The engine calls ``advance`` inside its jitted step
 with a small ``steps``; the host API calls it with a large one.
 
-On the CPU the loop is compiled as a single kernel (``_advance_one_kernel``); on accelerators, or
+On the CPU the loop is compiled as a single kernel (``loops._advance_one_kernel``); on accelerators, or
 with ``MachineShape.loop == "while"``, it is a plain ``lax.while_loop``; with ``loop == "pallas"`` it
 is the Pallas GPU kernel of ``gpu_kernel.py``. Every form runs each record through ``execute``.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -24,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxinfer.machine_shape import PAGE_BYTES, MachineShape
 from jaxinfer.processor import alu
@@ -238,7 +236,7 @@ def _memory_access(state: MachineState, record: Record, x: alu.Pair, y: alu.Pair
     return loaded, (where.address, jnp.where(writing, stored, old)), where.out_of_bounds
 
 
-class _Pending(NamedTuple):
+class Pending(NamedTuple):
     """The register and memory writes of the last record, applied before the next one reads.
 
     Deferring them makes every read of an iteration follow its only write, so XLA updates the
@@ -253,14 +251,14 @@ class _Pending(NamedTuple):
     trace_entry: jax.Array  # [slots, 4]
 
 
-def _no_writes(shape: MachineShape) -> _Pending:
-    return _Pending(jnp.full((shape.slots,), shape.registers, jnp.int32), jnp.zeros((shape.slots, 2), U32),
+def no_writes(shape: MachineShape) -> Pending:
+    return Pending(jnp.full((shape.slots,), shape.registers, jnp.int32), jnp.zeros((shape.slots, 2), U32),
                     jnp.full((shape.slots,), shape.memory_bytes, jnp.int32),
                     jnp.zeros((shape.slots, 8), jnp.uint8),
                     jnp.full((shape.slots,), shape.trace_entries, jnp.int32), jnp.zeros((shape.slots, 4), jnp.int32))
 
 
-def _apply(state: MachineState, pending: _Pending) -> MachineState:
+def apply_writes(state: MachineState, pending: Pending) -> MachineState:
     """The pending writes as scatters: one kernel each for all slots (the accelerator loop)."""
     rows = jnp.arange(state.pc.shape[0])
     registers = state.registers.at[rows, pending.register].set(pending.register_value, mode="promise_in_bounds")
@@ -272,7 +270,7 @@ def _apply(state: MachineState, pending: _Pending) -> MachineState:
     return state._replace(registers=registers, memory=memory)
 
 
-def _apply_per_slot(state: MachineState, pending: _Pending) -> MachineState:
+def apply_per_slot(state: MachineState, pending: Pending) -> MachineState:
     """The pending writes as one dynamic-update-slice per slot and array: the form the CPU's single
     kernel can emit (XLA:CPU's whole-computation emitter has no scatter)."""
     registers, memory, trace = state.registers, state.memory, state.trace
@@ -286,7 +284,7 @@ def _apply_per_slot(state: MachineState, pending: _Pending) -> MachineState:
     return state._replace(registers=registers, memory=memory, trace=trace)
 
 
-def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[MachineState, _Pending]:
+def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[MachineState, Pending]:
     """Execute one record in every running slot; its writes are returned, not yet applied."""
     record = _fetch(code, state.pc)
     fp = state.fp
@@ -298,7 +296,7 @@ def step(state: MachineState, code: jax.Array, shape: MachineShape) -> tuple[Mac
     following, value, write_index, commit = execute(state, record, x, y, z, loaded, out_of_bounds, shape)
     trace_write = _trace_write(state, record, value, commit, shape)
     following = following._replace(traced=state.traced + (trace_write[0] < shape.trace_entries))
-    return following, _Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *trace_write)
+    return following, Pending(write_index, jnp.stack(value, axis=-1), *memory_write, *trace_write)
 
 
 def execute(state: MachineState, record: Record, x: alu.Pair, y: alu.Pair, z: alu.Pair, loaded: alu.Pair,
@@ -445,54 +443,3 @@ def pack_scalars(state: MachineState) -> jax.Array:
 
 def unpack_scalars(scalars: jax.Array, registers: jax.Array, memory: jax.Array, trace: jax.Array) -> MachineState:
     return MachineState(*(scalars[:, column] for column in range(len(SCALAR_FIELDS))), registers, memory, trace)
-
-
-def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape) -> MachineState:
-    """Run up to ``steps`` iterations, stopping early when no slot is running.
-
-    On the CPU the whole loop is compiled as one kernel; elsewhere (or with ``shape.loop == "while"``)
-    it is an ordinary while loop whose writes are scatters.
-    """
-    if shape.loop == "while":
-        return _advance(state, code, steps, shape, apply=_apply)
-    if shape.loop == "pallas":
-        from jaxinfer.processor import gpu_kernel
-
-        return lax.platform_dependent(state, code, steps,
-                                      cpu=functools.partial(gpu_kernel.advance, shape=shape, interpret=True),
-                                      cuda=functools.partial(gpu_kernel.advance, shape=shape),
-                                      default=functools.partial(_advance, shape=shape, apply=_apply))
-    return lax.platform_dependent(state, code, steps, cpu=functools.partial(_advance_one_kernel, shape=shape),
-                                  default=functools.partial(_advance, shape=shape, apply=_apply))
-
-
-def _advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape,
-             apply: Callable[[MachineState, _Pending], MachineState]) -> MachineState:
-    def keep_going(carry):
-        iteration, scalars, *_ = carry
-        return (iteration < steps) & jnp.any(scalars[:, SCALAR["status"]] == Status.RUNNING)
-
-    def body(carry):
-        iteration, scalars, registers, memory, trace, pending = carry
-        current = apply(unpack_scalars(scalars, registers, memory, trace), pending)
-        following, writes = step(current, code, shape)
-        return iteration + 1, pack_scalars(following), following.registers, following.memory, following.trace, writes
-
-    carry = (jnp.int32(0), pack_scalars(state), state.registers, state.memory, state.trace, _no_writes(shape))
-    _, scalars, registers, memory, trace, pending = lax.while_loop(keep_going, body, carry)
-    return apply(unpack_scalars(scalars, registers, memory, trace), pending)
-
-
-def _advance_one_kernel(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape
-                        ) -> MachineState:
-    """The loop as a call that XLA:CPU emits as a single function.
-
-    XLA:CPU otherwise runs each fusion of the loop body as its own kernel, about 45 of them per
-    iteration at roughly 100 ns each. A call carrying the frontend attribute ``xla_cpu_small_call``
-    is compiled whole instead (the mechanism of XLA's own small-while-loop hoisting, whose size
-    limit this loop exceeds), and ``inlineable="false"`` keeps XLA's call inliner from dissolving
-    it. The call's operands must all be parameters, not constants, for the emitter to accept it,
-    so the loop's initial carry is built inside the call.
-    """
-    looped = jax.jit(functools.partial(_advance, shape=shape, apply=_apply_per_slot))(state, code, steps)
-    return set_xla_metadata(looped, xla_cpu_small_call="true", inlineable="false")

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.parallel.transfer import to_devices
-from jaxinfer.processor import machine
+from jaxinfer.processor import loops, machine
 from jaxinfer.processor.instance import (
     CompiledModule,
     code_image,
@@ -62,7 +62,7 @@ def report(state: machine.MachineState) -> ExecReport:
 def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
                     shape: machine.MachineShape) -> tuple[machine.MachineState, ExecReport]:
     """What the engine's step runs: at most ``steps`` iterations, then the report."""
-    state = machine.advance(state, code, jnp.int32(steps), shape)
+    state = loops.advance(state, code, jnp.int32(steps), shape)
     return state, report(state)
 
 
