@@ -116,7 +116,7 @@ def decode_floor(llm, batch: int, context: float, ceiling: dict, weights: tuple[
 
 
 def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict, weights: tuple[int, int]) -> None:
-    from bench import emit, exact, fresh_engine, random_prompts, timed_generate
+    from bench_common import emit, exact, fresh_engine, random_prompts, timed_generate
 
     prompts = random_prompts(llm, [args.in_len] * batch, seed=batch)
     fresh_engine(llm, prefix_caching=False).generate([llm.request(p, exact(2)) for p in prompts])  # warm buckets
@@ -133,7 +133,7 @@ def bench_decode(llm, batch: int, args: argparse.Namespace, ceiling: dict, weigh
 
 
 def bench_offline(llm, requests: int, in_len: int, out_len: int, args: argparse.Namespace) -> None:
-    from bench import emit, exact, fresh_engine, random_prompts, timed_generate
+    from bench_common import emit, exact, fresh_engine, random_prompts, timed_generate
 
     prompts = random_prompts(llm, [in_len] * requests, seed=in_len)
     fresh_engine(llm, prefix_caching=False).generate([llm.request(p, exact(2)) for p in prompts[: llm.config.max_seqs]])
@@ -148,7 +148,7 @@ def host_share(engine) -> dict:
     """The run's steps, host milliseconds per step (scheduling, building and dispatching, reading back)
     and compiles after warm-up: the step programs the runner compiled, and every XLA compile since the
     engine was made."""
-    from bench import step_summary
+    from bench_common import step_summary
 
     summary = step_summary(engine)
     keys = ("steps", "host_ms_per_step", "host_fraction", "compiles_after_warmup", "xla_compiles")
@@ -180,7 +180,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def bench(args: argparse.Namespace) -> None:
     import jax
-    from bench import emit
+    from bench_common import emit
     from step_profile import profile_decode
 
     from jaxinfer import LLM

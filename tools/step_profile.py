@@ -27,7 +27,7 @@ CATEGORIES = (("attention", re.compile(r"paged_attention|ragged|attention", re.I
 def profile_decode(llm, batch: int, in_len: int, steps: int) -> dict:
     """Traces `steps` decode steps of `batch` sequences past their prefill and summarizes the trace."""
     import jax
-    from bench import exact, fresh_engine, random_prompts
+    from bench_common import exact, fresh_engine, random_prompts
 
     engine = fresh_engine(llm, prefix_caching=False)
     sequences = [engine.add_request(llm.request(p, exact(steps + 3)))
