@@ -71,6 +71,7 @@ class GenerationCall:
         self._streams: list = []  # the worker's handles, to cancel them
         self._last_token: list[float | None] = [None] * len(requests)
         self._status: list[str] = ["cancelled"] * len(requests)
+        self._finished = False
 
     def submit(self) -> None:
         """Submits every choice, or none: a refusal cancels those submitted and raises CallFailed."""
@@ -118,7 +119,7 @@ class GenerationCall:
             watcher.cancel()
             if getter is not None:
                 getter.cancel()
-            self._finish()
+            self.finish()
 
     def _apply(self, index: int, delta: Delta) -> ChoiceState:
         choice = self.choices[index]
@@ -132,8 +133,12 @@ class GenerationCall:
         self._last_token[index] = self.service.observe_latency(delta, self.started, self._last_token[index])
         return choice
 
-    def _finish(self) -> None:
-        """Cancels the choices still running and counts every choice's outcome (once)."""
+    def finish(self) -> None:
+        """Cancels the choices still running and counts every choice's outcome, once (also for a stream
+        whose response never started: a client gone before the first byte)."""
+        if self._finished:
+            return
+        self._finished = True
         self._cancel_all()
         seconds = time.perf_counter() - self.started
         for index, choice in enumerate(self.choices):

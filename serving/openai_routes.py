@@ -169,8 +169,7 @@ class OpenAIFrontEnd:
                 return JSONResponse(await assembler.collect())
             finally:
                 release()
-        return StreamingResponse(sse(assembler.stream(), release), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return ClosingStream(sse(assembler.stream(), release), on_close=lambda: (call.finish(), release()))
 
     def _admit_tenant(self, tenant: Tenant) -> None:
         try:
@@ -239,6 +238,22 @@ class OpenAIFrontEnd:
     async def metrics(self, request: HttpRequest) -> Response:
         registry = self.service.metrics.registry
         return Response(await asyncio.to_thread(generate_latest, registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class ClosingStream(StreamingResponse):
+    """A server-sent event stream that runs `on_close` however the response ends, even when the client
+    was gone before the stream's generator started (its own `finally` would then never run)."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], object]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
 class Release:
