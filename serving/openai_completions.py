@@ -28,6 +28,7 @@ class CompletionAssembler:
         self.id_prefix = "chatcmpl" if is_chat else "cmpl"
         self.created = int(time.time())
         self.call_id, self.call = "", None
+        self._echoes: dict[int, str] = {}  # prompt index -> its echoed text
 
     @classmethod
     def chat(cls, service: InferenceService, body: ChatCompletionBody) -> CompletionAssembler:
@@ -87,8 +88,12 @@ class CompletionAssembler:
         return len(self._echo(choice)) if self.body.echo else 0
 
     def _echo(self, choice: ChoiceState) -> str:
-        prompt = self.prompts[choice.index // self.body.n]
-        return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        """The prompt as echoed: its text, or its token ids decoded (once per prompt, not per chunk)."""
+        i = choice.index // self.body.n
+        if i not in self._echoes:
+            prompt = self.prompts[i]
+            self._echoes[i] = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        return self._echoes[i]
 
     def _scored(self, choice: ChoiceState) -> tuple[list[int], list[float | None], list]:
         """The prompt's ids, each one's logprob (None for the first) and alternatives (None for the first)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from jaxinfer.engine.params import MAX_SEED, Request, SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
+from serving.convert import submit_refusal
 from serving.openai_format import ChoiceState
 from serving.service import InferenceService
 from serving.tenants import Tenant
@@ -83,8 +84,8 @@ class GenerationCall:
             self._cancel_all()
             if isinstance(exc, RequestError):  # the front end names the field it came from, and counts it
                 raise
+            self.service.count(submit_refusal(exc)[0])  # the metrics status gRPC gives the same refusal
             status, code = refusal_status(exc)
-            self.service.count("limited" if status == 429 else "error")
             raise CallFailed(status, str(exc), code=code) from None
 
     def _deliverer(self, loop: asyncio.AbstractEventLoop, index: int) -> Callable[[Delta], None]:

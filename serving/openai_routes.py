@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from jaxinfer.engine.params import Request
 from jaxinfer.errors import RequestError
+from serving.convert import check_request_id
 from serving.openai_completions import CompletionAssembler
 from serving.openai_format import error_body, token_text
 from serving.openai_generate import CallFailed, GenerationCall, fan_out
@@ -144,8 +145,7 @@ class OpenAIFrontEnd:
                         assembler: CompletionAssembler) -> Response:
         adapter = self.adapter_for(body.model)
         call_id = body.request_id or f"{assembler.id_prefix}-{uuid.uuid4().hex}"
-        if len(call_id) > 256:
-            raise CallFailed(400, f"request_id: at most 256 characters, got {len(call_id)}", "request_id")
+        check_request_id(call_id)
         self.service.active += 1  # from admission: a drain waits for calls still being tokenized
         try:
             self._admit_tenant(tenant)
@@ -169,7 +169,7 @@ class OpenAIFrontEnd:
                 return JSONResponse(await assembler.collect())
             finally:
                 release()
-        return ClosingStream(sse(assembler.stream(), release), on_close=lambda: (call.finish(), release()))
+        return ClosingStream(sse(assembler.stream()), on_close=lambda: (call.finish(), release()))
 
     def _admit_tenant(self, tenant: Tenant) -> None:
         try:
@@ -280,17 +280,15 @@ class Release:
         self.service.active -= 1
 
 
-async def sse(events: AsyncIterator[dict[str, Any]], release: Release) -> AsyncIterator[str]:
-    """Server-sent events: one `data:` line per chunk, an error as its own event, then `data: [DONE]`."""
+async def sse(events: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """Server-sent events: one `data:` line per chunk, an error as its own event, then `data: [DONE]`.
+    What the call holds is given back by `ClosingStream`, however the response ends."""
     try:
-        try:
-            async for event in events:
-                yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-        except CallFailed as exc:
-            yield f"data: {json.dumps(error_body(exc.status, exc.message, exc.param, exc.code))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        release()
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except CallFailed as exc:
+        yield f"data: {json.dumps(error_body(exc.status, exc.message, exc.param, exc.code))}\n\n"
+    yield "data: [DONE]\n\n"
 
 
 async def json_body(request: HttpRequest) -> object:

@@ -41,7 +41,6 @@ Number = StrictFloat | StrictInt
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
-    continuous_usage_stats: StrictBool = False
 
 
 class _Body(BaseModel):
