@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxinfer.errors import CheckpointError, ConfigError, RequestError
 from jaxinfer.layers.basic import Linear
-from jaxinfer.models import LlamaForCausalLM
+from jaxinfer.models import CausalLM
 from jaxinfer.parallel import named_sharding
 from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.weights.adapter_file import AdapterWeights, read_adapter
@@ -42,7 +42,7 @@ class AdapterInfo:
 
 
 class AdapterSlots:
-    def __init__(self, model: LlamaForCausalLM, mesh: jax.sharding.Mesh, max_adapters: int, max_rank: int,
+    def __init__(self, model: CausalLM, mesh: jax.sharding.Mesh, max_adapters: int, max_rank: int,
                  targets: tuple[str, ...]) -> None:
         self.model, self.max_adapters, self.max_rank, self.targets = model, max_adapters, max_rank, targets
 

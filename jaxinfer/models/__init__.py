@@ -1,7 +1,9 @@
-"""Flax NNX decoder models and the architecture registry."""
+"""Flax NNX decoder models: the shared decoder and blocks, one small file per family, the registry."""
 
 from jaxinfer.layers.kv_layout import KVCache
+from jaxinfer.models.decoder import CausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 from jaxinfer.models.registry import model_class
 
-__all__ = ["KVCache", "LlamaForCausalLM", "model_class"]
+__all__ = ["CausalLM", "KVCache", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "model_class"]

@@ -1,15 +1,18 @@
-"""Maps an architecture name from a checkpoint to the model class that implements it."""
+"""Maps an architecture name from a checkpoint to the model family class that implements it."""
 
 from __future__ import annotations
 
 from jaxinfer.config import SUPPORTED_ARCHITECTURES
 from jaxinfer.errors import CheckpointError
+from jaxinfer.models.decoder import CausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
+from jaxinfer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
 
-_CLASSES = {name: LlamaForCausalLM for name in SUPPORTED_ARCHITECTURES}
+_CLASSES: dict[str, type[CausalLM]] = {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+assert set(_CLASSES) == set(SUPPORTED_ARCHITECTURES), "every supported architecture has a family class"
 
 
-def model_class(architecture: str) -> type[LlamaForCausalLM]:
+def model_class(architecture: str) -> type[CausalLM]:
     try:
         return _CLASSES[architecture]
     except KeyError:

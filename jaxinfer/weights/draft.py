@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import ConfigError
-from jaxinfer.models import LlamaForCausalLM
+from jaxinfer.models import CausalLM
 from jaxinfer.weights import orbax_io
 from jaxinfer.weights.loader import parameters
 
@@ -24,7 +24,7 @@ LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 SHARED_PREFIX = "model.embed_tokens."  # kept frozen in training, so identical to the target's
 
 
-def truncated_weights(model: LlamaForCausalLM, cfg: ModelConfig, num_layers: int
+def truncated_weights(model: CausalLM, cfg: ModelConfig, num_layers: int
                       ) -> tuple[ModelConfig, dict[str, np.ndarray]]:
     """(config, host weights by engine name) of the first `num_layers` layers of `model`."""
     if not 0 < num_layers <= cfg.num_layers:

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.layers.attention import AttentionBackend
-from jaxinfer.models import LlamaForCausalLM, model_class
+from jaxinfer.models import CausalLM, model_class
 from jaxinfer.parallel import named_sharding
 from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.weights import gguf_file as gguf_names
@@ -38,11 +38,11 @@ log = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    model: LlamaForCausalLM
+    model: CausalLM
     checkpoint: ResolvedCheckpoint
 
 
-def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, backend: AttentionBackend | None) -> LlamaForCausalLM:
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, backend: AttentionBackend | None) -> CausalLM:
     cls = model_class(cfg.architecture)
     return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, backend=backend, rngs=None))
 
@@ -57,12 +57,12 @@ def parameters(model: nnx.Module) -> dict[str, nnx.Param]:
 
 
 def fill(
-    model: LlamaForCausalLM,
+    model: CausalLM,
     tensors: Iterable[tuple[str, str, np.ndarray | jax.Array]],
     mesh: Mesh,
     source: str,
     checkpoint_name: Callable[[str], str] = str,
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """Assigns checkpoint tensors to the abstract model's parameters, checking names and shapes.
 
     `checkpoint_name` maps an engine parameter name to the checkpoint's, for error messages."""
@@ -113,7 +113,7 @@ def load_model(
     dtype: jnp.dtype = jnp.float32,
     backend: AttentionBackend | None = None,
     gguf_file: GGUFCheckpoint | None = None,
-    target: LlamaForCausalLM | None = None,
+    target: CausalLM | None = None,
 ) -> LoadedModel:
     """Loads a registry name or path; pass an already opened `gguf_file` to avoid reading it twice.
 
@@ -147,7 +147,7 @@ def load_model(
     return LoadedModel(cfg, model, checkpoint)
 
 
-def place_copy(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
+def place_copy(model: CausalLM, mesh: Mesh) -> CausalLM:
     """A copy of a loaded model on another mesh of the same shape (a data-parallel replica's devices)."""
     graphdef, state = nnx.split(model)
 
@@ -160,7 +160,7 @@ def place_copy(model: LlamaForCausalLM, mesh: Mesh) -> LlamaForCausalLM:
     return nnx.merge(graphdef, jax.tree.map(move, state))
 
 
-def _target_tensors(names: list[str], target: LlamaForCausalLM, draft: dict[str, nnx.Param], source: str
+def _target_tensors(names: list[str], target: CausalLM, draft: dict[str, nnx.Param], source: str
                     ) -> Iterator[tuple[str, str, jax.Array]]:
     """The target's tensors a draft shares, cut to the draft's rows: a target that grew its vocabulary
     (the processor's control tokens) has rows the draft never had."""
@@ -188,7 +188,7 @@ def _ones(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> 
 
 def random_model(
     cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None = None, seed: int = 0
-) -> LlamaForCausalLM:
+) -> CausalLM:
     """A model with N(0, 0.02) weights generated directly on device with their shardings (benchmarks)."""
     model = abstract_model(cfg, dtype, backend)
     key = jax.random.key(seed)
