@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import jax
 
 from jaxinfer.engine.metrics import EngineStats
+from jaxinfer.engine.page_copies import host_pages
 from jaxinfer.engine.params import MAX_SEED, Request, RequestOutput
 from jaxinfer.engine.sequence import Sequence
-from jaxinfer.engine.step import ModelRunner, host_pages
+from jaxinfer.engine.step import ModelRunner
 from jaxinfer.kv.store import PageStore
 
 

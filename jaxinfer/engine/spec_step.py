@@ -25,9 +25,10 @@ from flax import nnx
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.spec import propose, verify
-from jaxinfer.engine.step import HostBatch, ModelRunner, PackedInputs, keep_shardings
+from jaxinfer.engine.step import ModelRunner, keep_shardings
+from jaxinfer.engine.step_inputs import HostBatch, PackedInputs
 from jaxinfer.errors import ConfigError
-from jaxinfer.models import LlamaForCausalLM
+from jaxinfer.models import CausalLM
 from jaxinfer.parallel.transfer import to_devices
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_cac
 class SpecRunner:
     """The draft model next to a target `ModelRunner`, proposing up to `num_draft_tokens` per round."""
 
-    def __init__(self, target: ModelRunner, draft: LlamaForCausalLM, draft_cfg: ModelConfig, num_draft_tokens: int):
+    def __init__(self, target: ModelRunner, draft: CausalLM, draft_cfg: ModelConfig, num_draft_tokens: int):
         if draft_cfg.vocab_size != target.model_cfg.vocab_size:
             raise ConfigError(f"draft_model: vocabulary of {draft_cfg.vocab_size} ids, the target's has "
                               f"{target.model_cfg.vocab_size}; a draft must share the target's vocabulary")

@@ -31,7 +31,7 @@ from jaxinfer.engine.metrics import EngineStats
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.sequence import ScheduledChunk, Sequence
 from jaxinfer.engine.spec_step import ProposeResult, SpecRunner
-from jaxinfer.engine.step import HostBatch
+from jaxinfer.engine.step_inputs import HostBatch
 
 Span = tuple[Sequence, int, int]  # a sequence's positions [start, end)
 

@@ -16,7 +16,6 @@ one shape for every bucket; engines sharing a runner each pass their own previou
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -31,151 +30,23 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
-from jaxinfer.engine.logit_bias import BiasInputs, add_bias
+from jaxinfer.engine.logit_bias import add_bias
+from jaxinfer.engine.page_copies import PageCopies, export_all_layers, import_all_layers
 from jaxinfer.engine.params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
-from jaxinfer.engine.penalties import PenaltyInputs, count_sampled, load_row, penalize
-from jaxinfer.engine.prompt_logprobs import PromptScoring, score_prompt
-from jaxinfer.engine.sampler import MAX_BANNED, SamplingInputs, sample, top_logprobs
+from jaxinfer.engine.penalties import count_sampled, load_row, penalize
+from jaxinfer.engine.prompt_logprobs import score_prompt
+from jaxinfer.engine.sampler import MAX_BANNED, sample, top_logprobs
+from jaxinfer.engine.step_inputs import HostBatch, PackedInputs, StepResult
 from jaxinfer.errors import CompileAfterWarmupError, RequestError
 from jaxinfer.kv.prefix_cache import PrefixCachingPool
-from jaxinfer.kv.tiers import HostPage, TieredPages
-from jaxinfer.layers.attention import AttentionMetadata
-from jaxinfer.layers.kv_layout import KVLayout
-from jaxinfer.models import LlamaForCausalLM
+from jaxinfer.kv.tiers import TieredPages
+from jaxinfer.models import CausalLM
 from jaxinfer.parallel.lockstep import Leader
 from jaxinfer.parallel.transfer import to_devices
-from jaxinfer.processor.unit import ExecReport, ExecUnit
+from jaxinfer.processor.unit import ExecUnit
 from jaxinfer.weights.adapter_file import AdapterWeights
 
 log = logging.getLogger(__name__)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepInputs:
-    tokens: jax.Array  # [T] int32
-    from_prev: jax.Array  # [T] int32: row of the previous step's sampled ids to use instead (-1: use `tokens`)
-    meta: AttentionMetadata
-    logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
-    sampling: SamplingInputs
-    bias: BiasInputs
-    penalties: PenaltyInputs
-    top_logprobs: jax.Array  # [S] int32: how many alternatives the row wants (0: none)
-    adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
-    prompt: PromptScoring  # the prompt positions to score (engine/prompt_logprobs.py)
-
-
-@dataclasses.dataclass
-class HostBatch:
-    """The numpy arrays of one step, already padded to a bucket (see `ModelRunner.empty_batch`)."""
-
-    tokens: np.ndarray
-    from_prev: np.ndarray
-    positions: np.ndarray
-    seq_rows: np.ndarray
-    write_slots: np.ndarray
-    page_table: np.ndarray
-    logits_rows: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    min_p: np.ndarray
-    seed: np.ndarray
-    step: np.ndarray
-    banned: np.ndarray
-    bias_ids: np.ndarray
-    bias_values: np.ndarray
-    penalty_slot: np.ndarray
-    repetition_penalty: np.ndarray
-    frequency_penalty: np.ndarray
-    presence_penalty: np.ndarray
-    top_logprobs: np.ndarray
-    adapters: np.ndarray
-    prompt_targets: np.ndarray
-    prompt_alternatives: np.ndarray
-
-    @property
-    def num_tokens(self) -> int:
-        return self.tokens.shape[0]
-
-    def arrays(self) -> dict[str, np.ndarray]:
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
-
-    def to_inputs(self) -> StepInputs:
-        meta = AttentionMetadata(self.positions, self.seq_rows, self.page_table, self.write_slots)
-        sampling = SamplingInputs(
-            self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.step, self.banned
-        )
-        penalties = PenaltyInputs(self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
-                                  self.presence_penalty)
-        return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling,
-                          BiasInputs(self.bias_ids, self.bias_values), penalties, self.top_logprobs, self.adapters,
-                          PromptScoring(self.prompt_targets, self.prompt_alternatives))
-
-    def packed(self) -> PackedInputs:
-        """The arrays as one int32 buffer: one host-to-device copy per step instead of one per array."""
-        arrays = self.arrays()
-        layout = tuple((name, a.shape, a.dtype.str) for name, a in arrays.items())
-        return PackedInputs(np.concatenate([a.reshape(-1).view(np.int32) for a in arrays.values()]), layout)
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["words"], meta_fields=["layout"])
-@dataclasses.dataclass(frozen=True)
-class PackedInputs:
-    """A `HostBatch` in one int32 buffer (every field is 4 bytes wide), unpacked inside the step.
-
-    The layout (each field's name, shape and dtype, in order) is static, so each bucket's layout is
-    part of its compiled executable."""
-
-    words: jax.Array | np.ndarray
-    layout: tuple[tuple[str, tuple[int, ...], str], ...]
-
-    def unpack(self) -> StepInputs:
-        arrays, offset = {}, 0
-        for name, shape, dtype in self.layout:
-            size = int(np.prod(shape))
-            part = self.words[offset : offset + size]
-            if np.dtype(dtype) != np.int32:
-                part = jax.lax.bitcast_convert_type(part, np.dtype(dtype))
-            arrays[name] = part.reshape(shape)
-            offset += size
-        return HostBatch(**arrays).to_inputs()
-
-
-@dataclasses.dataclass
-class StepResult:
-    """One dispatched step: its sampled ids and logprobs stay on the device until `fetch`."""
-
-    tokens: jax.Array  # [max_seqs] int32
-    logprobs: jax.Array  # [max_seqs] float32
-    rows: int
-    top: tuple[jax.Array, jax.Array] | None = None  # [max_seqs, MAX_TOP_LOGPROBS] ids, logprobs (rows asked)
-    # Scored prompt positions (some asked): [T] target logprobs, [T, MAX_TOP_LOGPROBS] ids and logprobs.
-    prompt: tuple[jax.Array, jax.Array, jax.Array] | None = None
-    _top_host: tuple[np.ndarray, np.ndarray] | None = dataclasses.field(default=None, init=False, repr=False)
-    _prompt_host: tuple[np.ndarray, ...] | None = dataclasses.field(default=None, init=False, repr=False)
-    exec_report: ExecReport | None = None  # the processor's slots after this step (when it has any)
-    number: int = -1  # dispatch order on its runner (followers of a process group replay by it)
-
-    def fetch_exec(self) -> ExecReport | None:
-        return None if self.exec_report is None else ExecReport(*jax.device_get(tuple(self.exec_report)))
-
-    def fetch(self) -> tuple[np.ndarray, np.ndarray]:
-        """Waits for the step and returns (sampled token per row, its logprob) on the host; the
-        alternatives and prompt scores, when asked for, come in the same read (`fetch_top`, `fetch_prompt`)."""
-        # explicit: the transfer guard allows it
-        tokens, logprobs, top, prompt = jax.device_get((self.tokens, self.logprobs, self.top, self.prompt))
-        self._top_host = None if top is None else (top[0][: self.rows], top[1][: self.rows])
-        self._prompt_host = prompt
-        return tokens[: self.rows], logprobs[: self.rows]
-
-    def fetch_top(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """After `fetch`: each row's alternatives ([rows, MAX_TOP_LOGPROBS] ids and logprobs), if asked for."""
-        return self._top_host
-
-    def fetch_prompt(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """After `fetch`: the scored prompt positions ([T] logprobs, [T, MAX_TOP_LOGPROBS] ids and logprobs)."""
-        return self._prompt_host
 
 
 def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs, machine=None,
@@ -208,34 +79,11 @@ def keep_shardings(caches, shardings):
     return jax.lax.with_sharding_constraint(caches, shardings)
 
 
-TIER_CHUNK = 8  # pages per export/import call: one shape, so one compile each
+class ModelRunner(PageCopies):
+    """The device side of an engine: weights, KV pools, penalty counts, adapters, and each bucket's
+    compiled step; `dispatch` enqueues a step, the page copies for the KV tiers are `PageCopies`'."""
 
-
-def _export(layout: KVLayout, caches, pages: jax.Array) -> jax.Array:
-    """Pages of every layer -> [pages, layers, 2, kv_heads, page_size, head_dim] (the layouts' neutral form)."""
-    return jnp.stack([layout.export(c, pages) for c in caches], axis=1)
-
-
-def _import(layout: KVLayout, caches, pages: jax.Array, data: jax.Array):
-    """Writes [pages, layers, 2, kv_heads, page_size, head_dim] into the caches (padding rows hit page 0)."""
-    return tuple(layout.import_pages(c, pages, data[:, i]) for i, c in enumerate(caches))
-
-
-def _import_rows(layout: KVLayout, device_sharding, caches, group: jax.Array, rows: jax.Array, pages: jax.Array):
-    """Writes rows of a host group (pinned host memory) into device pages: one host-to-device copy."""
-    return _import(layout, caches, pages, jax.device_put(group, device_sharding)[rows])
-
-
-def host_pages(groups: list[jax.Array]) -> list[HostPage]:
-    """The pages of `export_pages`' groups, in order (padding rows included), as host pages.
-
-    Without pinned host memory the copies are device arrays: they become numpy copies here."""
-    groups = [g if g.sharding.memory_kind == "pinned_host" else jax.device_get(g) for g in groups]
-    return [HostPage(group, row) for group in groups for row in range(TIER_CHUNK)]
-
-
-class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
+    def __init__(self, model: CausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
         self.model = model
         self.adapters = (AdapterSlots(model, mesh, cfg.max_adapters, cfg.max_lora_rank, cfg.lora_targets)
@@ -266,9 +114,9 @@ class ModelRunner:
                                                  counts_sharding=self.replicated, exec_fn=exec_fn),
                                static_argnums=0,
                                donate_argnums=(2, 3, 6) if exec_fn is not None else (2, 3))
-        self._export_pages = functools.partial(_export, model.kv_layout)
+        self._export_pages = functools.partial(export_all_layers, model.kv_layout)
         self._export_fn = jax.jit(self._export_pages)
-        self._import_fn = jax.jit(functools.partial(_import, model.kv_layout), donate_argnums=(0,),
+        self._import_fn = jax.jit(functools.partial(import_all_layers, model.kv_layout), donate_argnums=(0,),
                                   out_shardings=self.cache_shardings)
         self._import_rows_fn = None  # set by `warmup_tiers` where the platform has pinned host memory
         # Lower KV tiers for pages the pool evicts. Evicted pages are copied out before the next
@@ -517,90 +365,6 @@ class ModelRunner:
     def _exec_args(self) -> tuple:
         """The processor's machine state and code, when the step carries them."""
         return () if self.exec_unit is None else (self.exec_unit.state, self.exec_unit.code)
-
-    # -- KV tiers: copy whole pages out of and into the pools --------------------------------
-    def warmup_tiers(self) -> None:
-        """Compiles the page copy programs now rather than on the first eviction or restore.
-
-        Where every device has pinned host memory, the copy out writes into it directly (so L2
-        holds pinned buffers) and the copy back reads from it.
-        """
-        start = time.perf_counter()
-        if self._import_rows_fn is None and self._has_pinned_host():
-            probe = self._export_fn(self.caches, to_devices(np.zeros(TIER_CHUNK, np.int32), self.replicated))
-            device = probe.sharding
-            self._export_fn = jax.jit(self._export_pages, out_shardings=device.with_memory_kind("pinned_host"))
-            self._import_rows_fn = jax.jit(functools.partial(_import_rows, self.model.kv_layout, device),
-                                           donate_argnums=(0,), out_shardings=self.cache_shardings)
-        if self.spec is not None:  # restored pages lack the draft's KV: it is computed on restore
-            self.spec.warmup_refill()
-        for group in self.export_pages([0]):  # the null page: reading and rewriting it is harmless
-            self.import_pages([(0, HostPage(group, 0))])
-            self.import_pages([(0, np.zeros(group.shape[1:], group.dtype))])
-        log.info("compiled the KV tier page copies in %.1fs (L2 in %s memory)", time.perf_counter() - start,
-                 "pinned host" if self._import_rows_fn else "pageable host")
-
-    def _has_pinned_host(self) -> bool:
-        return all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in self.mesh.devices.flat)
-
-    def copy_evicted_pages(self) -> None:
-        """Enqueues copies of the pages the pool evicted since the last call (their content is intact)."""
-        evicted = self.pool.take_evicted()
-        if evicted and self.tiers is not None:
-            self._exports.append(([key for _, key in evicted], self.export_pages([page for page, _ in evicted])))
-
-    def demote_copied_pages(self) -> None:
-        """Hands the copied pages to the lower tiers (L2 keeps the host groups; L3 waits for their bytes)."""
-        exports, self._exports = self._exports, []
-        for keys, groups in exports:
-            for key, page in zip(keys, host_pages(groups), strict=False):  # padding rows have no key
-                self.tiers.demote(key, page)
-
-    def export_pages(self, pages: list[int]) -> list[jax.Array]:
-        """Enqueues copies of `pages` (in TIER_CHUNK groups, padded with page 0); host copies start at once.
-
-        Enqueued before the next step, they read the pages before that step can overwrite them.
-        """
-        chunks = []
-        for i in range(0, len(pages), TIER_CHUNK):
-            group = np.zeros(TIER_CHUNK, np.int32)
-            group[: len(pages[i : i + TIER_CHUNK])] = pages[i : i + TIER_CHUNK]
-            out = self._export_fn(self.caches, to_devices(group, self.replicated))
-            if out.sharding.memory_kind != "pinned_host":
-                out.copy_to_host_async()
-            chunks.append(out)
-        return chunks
-
-    def import_pages(self, entries: list[tuple[int, HostPage | np.ndarray]]) -> None:
-        """Writes host pages (`HostPage`s, or numpy [layers, 2, kv_heads, page_size, head_dim]) into device pages."""
-        by_group: dict[int, list[tuple[int, HostPage]]] = {}
-        arrays = []
-        for page, data in entries:
-            if isinstance(data, HostPage) and self._import_rows_fn is not None:
-                by_group.setdefault(id(data.group), []).append((page, data))
-            else:
-                arrays.append((page, data.numpy() if isinstance(data, HostPage) else data))
-        for rows in by_group.values():
-            self._import_group(rows)
-        if arrays:
-            self._import_arrays([page for page, _ in arrays], np.stack([data for _, data in arrays]))
-
-    def _import_group(self, rows: list[tuple[int, HostPage]]) -> None:
-        pages, picks = np.zeros(TIER_CHUNK, np.int32), np.zeros(TIER_CHUNK, np.int32)
-        pages[: len(rows)] = [page for page, _ in rows]  # padding writes row 0 into the null page
-        picks[: len(rows)] = [data.row for _, data in rows]
-        self.caches = self._import_rows_fn(self.caches, rows[0][1].group, to_devices(picks, self.replicated),
-                                           to_devices(pages, self.replicated))
-
-    def _import_arrays(self, pages: list[int], data: np.ndarray) -> None:
-        for i in range(0, len(pages), TIER_CHUNK):
-            group = np.zeros(TIER_CHUNK, np.int32)
-            rows = data[i : i + TIER_CHUNK]
-            group[: len(rows)] = pages[i : i + TIER_CHUNK]
-            padded = np.zeros((TIER_CHUNK, *data.shape[1:]), data.dtype)
-            padded[: len(rows)] = rows
-            self.caches = self._import_fn(self.caches, to_devices(group, self.replicated),
-                                          to_devices(padded, self.replicated))
 
     def run(self, batch: HostBatch) -> tuple[np.ndarray, np.ndarray]:
         """Runs one step and waits for it: (sampled token per row, its logprob)."""
