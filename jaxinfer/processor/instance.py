@@ -19,7 +19,8 @@ import wasmtime
 from jaxinfer.processor import loops, machine
 from jaxinfer.processor.binary import LimitExceeded, MalformedModule, Module, decode
 from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Op, Status, Trap
-from jaxinfer.processor.lower import FunctionCode, Program, Unsupported, lower
+from jaxinfer.processor.lower import Unsupported, lower
+from jaxinfer.processor.program import FunctionCode, Program
 from jaxinfer.processor.validate import InvalidModule, validate
 from jaxinfer.processor.wasi import SYSCALL_NAMES, SYSCALLS, FileMapping, ProcessExit, QuotaExceeded, Syscalls
 
