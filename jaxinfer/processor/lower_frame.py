@@ -35,7 +35,6 @@ class Block:
     live: bool = True
 
 
-
 class FrameLowering:
     """The registers, operand stack, blocks and emitted records of one function being lowered."""
 
@@ -132,4 +131,3 @@ class FrameLowering:
 def as_int32(value: int) -> int:
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value >= 1 << 31 else value
-

@@ -294,4 +294,3 @@ class FunctionLowering(FrameLowering):
         (address, value), folded = self.take(2)
         self.set_height(self.height - 2)
         self.emit(Op.STORE, a=address, b=value, imm=offset, imm2=info.access_bytes, cost=1 + folded)
-

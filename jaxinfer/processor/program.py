@@ -48,4 +48,3 @@ class Program:
         if function not in self.functions:
             raise Unsupported(f"{name} defined in the module, not imported")
         return self.functions[function]
-
