@@ -24,7 +24,8 @@ from jaxinfer.engine.replicas import ReplicaSet
 from jaxinfer.engine.spec_step import SpecRunner
 from jaxinfer.engine.step import ModelRunner
 from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, RequestError
-from jaxinfer.kv.store import ModelIdentity, PageStore
+from jaxinfer.kv.page_value import ModelIdentity
+from jaxinfer.kv.store import PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
 from jaxinfer.layers.backends import make_backend
 from jaxinfer.parallel import make_mesh, replica_meshes

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxinfer.engine.params import Request, SamplingParams
-from jaxinfer.kv.store import PendingRead
+from jaxinfer.kv.pending_read import PendingRead
 from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:

@@ -9,6 +9,8 @@ or layout are never found. Where the value lives is any tensorstore kvstore: a l
 renames it; object stores publish whole objects), so a reader sees a page complete or not at all;
 a value that fails its checksum or size (corruption, truncation) is deleted and reported as a
 miss, so the caller recomputes it.
+The value's format and the identity are `page_value.py`'s; a read in flight is a `PendingRead`
+(`pending_read.py`).
 
 Reads are asynchronous (`read_async`): tensorstore runs them on its own threads while the
 scheduler keeps stepping other requests. Demotions write asynchronously too (`put(wait=False)`;
@@ -36,50 +38,24 @@ zarr's chunk grid and per-array metadata would only add a second object per page
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
-import math
 import os
 import re
 import stat
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import tensorstore as ts
 
+from jaxinfer.kv.page_value import HEADER_BYTES, ModelIdentity, encode_value, parse_value, read_header
+from jaxinfer.kv.pending_read import PendingRead
+
 log = logging.getLogger(__name__)
 
-MAGIC = b"jaxinfer-kv-page/1\n"
 REST_SECONDS = 60  # how long reads (writes) are skipped after one timed out (the store is hung or overloaded)
-HEADER_BYTES = 1024  # a header line is far shorter; byte-range reads of this size find it
 PAGE_KEY_NAME = re.compile("[0-9a-f]{32}")  # a prefix-cache key (16 bytes) in hex; other names are not pages
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What must match for a stored page to be usable: the checkpoint and the KV layout."""
-
-    checkpoint: str  # the checkpoint's content fingerprint (weights/fingerprint.py)
-    dtype: str
-    page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-
-    def digest(self) -> str:
-        return hashlib.blake2b(json.dumps(asdict(self), sort_keys=True).encode(), digest_size=12).hexdigest()
-
-    @property
-    def page_shape(self) -> tuple[int, int, int, int, int]:
-        """A stored page: [layers, 2 (k, v), kv_heads, page_size, head_dim]."""
-        return (self.num_layers, 2, self.num_kv_heads, self.page_size, self.head_dim)
-
-    def fits(self, page: np.ndarray) -> bool:
-        """Whether `page` has this model's page shape and KV dtype (a header can claim anything)."""
-        return page.shape == self.page_shape and page.dtype.name == self.dtype
 
 
 @dataclass
@@ -113,63 +89,6 @@ def kvstore_spec(location: str) -> str | dict:
     if "://" in location:
         return location if location.endswith(("/", ":")) or "|" in location else location + "/"
     return {"driver": "file", "path": os.path.abspath(location) + "/"}
-
-
-class PendingRead:
-    """Pages being read by tensorstore; `done()` polls (true once all are read or the deadline passed),
-    `pages()` waits and checks them."""
-
-    def __init__(self, store: PageStore, keys: list[bytes]):
-        self._store = store
-        self.keys = [] if store.resting() else [key for key in keys if store._readable(key)]
-        store.stats.misses += len(keys) - len(self.keys)
-        self._futures = [store._kv.read(store._key(key)) for key in self.keys]
-        self.started = time.perf_counter()
-        self.deadline = self.started + store.timeout_seconds
-        self.finished: float | None = None  # when `done` first found it done
-        self._pages: dict[bytes, np.ndarray] | None = None
-
-    def done(self) -> bool:
-        if self.finished is None and (all(future.done() for future in self._futures)
-                                      or time.perf_counter() >= self.deadline):
-            self.finished = time.perf_counter()
-        return self.finished is not None
-
-    @property
-    def seconds(self) -> float:
-        """From the start until `done` saw it done (the latency its request waited)."""
-        return (self.finished or time.perf_counter()) - self.started
-
-    def wait(self) -> None:
-        """Waits until every read is done or the deadline passes."""
-        for future in self._futures:
-            remaining = self.deadline - time.perf_counter()
-            if remaining <= 0:
-                break
-            try:
-                future.exception(timeout=remaining)  # an error is reported by `pages`
-            except TimeoutError:
-                break
-        self.done()
-
-    def pages(self) -> dict[bytes, np.ndarray]:
-        """The pages found intact and unexpired, by key (damaged or unreadable ones are left out)."""
-        if self._pages is None:
-            self.wait()
-            self._pages = {}
-            for key, future in zip(self.keys, self._futures, strict=True):
-                if not future.done():
-                    self._store._timed_out(key, future, "read")
-                    continue
-                try:
-                    page = self._store._accept(key, future.result())
-                except Exception as exc:  # an I/O or network error: a miss, recomputed; the engine goes on
-                    log.warning("KV store read of %s failed: %s", key.hex(), exc)
-                    self._store.stats.misses += 1
-                    page = None
-                if page is not None:
-                    self._pages[key] = page
-        return self._pages
 
 
 class PageStore:
@@ -229,7 +148,7 @@ class PageStore:
                 continue
             except Exception:  # a value shorter than the range (tensorstore refuses it), or unreadable
                 result = self._read_whole(key, deadline)
-            header = self._header(result.value) if result is not None and result.state == "value" else None
+            header = read_header(result.value) if result is not None and result.state == "value" else None
             if header is None:
                 damaged.append(key)
             else:
@@ -320,15 +239,12 @@ class PageStore:
         if not wait and self.writes_resting():
             self.stats.writes_skipped += 1
             return False
-        data = np.ascontiguousarray(page).tobytes()
         created = time.time() if now is None else now
-        header = {"shape": list(page.shape), "dtype": str(page.dtype), "nbytes": len(data),
-                  "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest(), "created": created}
-        value = MAGIC + json.dumps(header).encode() + b"\n" + data
+        value, nbytes = encode_value(page, created)
         future = self._kv.write(self._key(page_key), value)
         if wait:
             future.result(timeout=self.timeout_seconds)
-        self._index_set(page_key, _Entry(len(data), created))  # before a reap, which drops it if it failed
+        self._index_set(page_key, _Entry(nbytes, created))  # before a reap, which drops it if it failed
         if not wait:
             self._writes[page_key] = _Write(future, time.perf_counter() + self.timeout_seconds)
             self._reap_writes()
@@ -387,7 +303,7 @@ class PageStore:
                 self._index_pop(page_key)  # removed by another process
             self.stats.misses += 1
             return None
-        parsed = self._parse(result.value)
+        parsed = parse_value(result.value)
         if parsed is not None and not self.identity.fits(parsed[1]):  # a consistent value of another layout
             parsed = None
         if parsed is None:
@@ -402,37 +318,6 @@ class PageStore:
             return None
         self.stats.hits += 1
         return parsed[1]
-
-    @staticmethod
-    def _header(value: bytes) -> dict | None:
-        end = value.find(b"\n", len(MAGIC))
-        if not value.startswith(MAGIC) or end < 0:
-            return None
-        try:
-            header = json.loads(value[len(MAGIC) : end])
-        except ValueError:
-            return None
-        if not isinstance(header, dict):
-            return None
-        nbytes, created = header.get("nbytes"), header.get("created")
-        sizes_fine = isinstance(nbytes, int) and not isinstance(nbytes, bool) and nbytes >= 0
-        time_fine = isinstance(created, int | float) and not isinstance(created, bool) and math.isfinite(created)
-        return header if sizes_fine and time_fine else None
-
-    @classmethod
-    def _parse(cls, value: bytes) -> tuple[dict, np.ndarray] | None:
-        header = cls._header(value)
-        if header is None:
-            return None
-        data = value[value.find(b"\n", len(MAGIC)) + 1 :]
-        try:
-            if len(data) != header["nbytes"]:
-                return None
-            if hashlib.blake2b(data, digest_size=16).hexdigest() != header["blake2b"]:
-                return None
-            return header, np.frombuffer(data, dtype=np.dtype(header["dtype"])).reshape(header["shape"])
-        except (ValueError, KeyError, TypeError):
-            return None
 
     def _expired(self, created: float, now: float) -> bool:
         return self.ttl_seconds > 0 and created + self.ttl_seconds < now
