@@ -461,7 +461,7 @@ SPIN = '(module (func (export "main") (loop $l (br $l))))'
 
 def _decode_with(llm, requests, extra=None) -> dict:
     """Runs `requests` to the end on llm's engine (with `extra` added and aborted after); tokens/s of `requests`."""
-    from jaxinfer.processor.machine import SCALAR
+    from jaxinfer.processor.machine_state import SCALAR
 
     engine = llm.engine
     before = dataclasses.replace(engine.stats)

@@ -29,7 +29,7 @@ from jaxinfer.processor.binary import LimitExceeded
 from jaxinfer.processor.instance import compile_module, serve_host_call, trace_lines
 from jaxinfer.processor.isa import Status, Trap
 from jaxinfer.processor.lower import Unsupported
-from jaxinfer.processor.machine import SCALAR
+from jaxinfer.processor.machine_state import SCALAR
 from jaxinfer.processor.protocol import ExecTokens, module_hash, program_ids, result_text
 from jaxinfer.processor.sessions import SessionMemory
 from jaxinfer.processor.unit import ExecReport, ExecUnit, SlotImage

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from jaxinfer.processor import alu, machine
+from jaxinfer.processor import alu, machine, machine_memory, machine_state
 from jaxinfer.processor.isa import FIELD, Status
 
 U32 = jnp.uint32
@@ -46,20 +46,20 @@ def _kernel(steps_ref, code_ref, scalars_in, registers_in, memory_in, trace_in, 
 
     def run_record(carry):
         iteration, state = carry
-        record = machine.Record(*(code_ref[state.pc, FIELD[name]] for name in machine.Record._fields))
+        record = machine_state.Record(*(code_ref[state.pc, FIELD[name]] for name in machine_state.Record._fields))
         x = read(machine.operand_address(state.fp, record.a))
         y = read(machine.operand_address(state.fp, record.b))
         z = read(machine.operand_address(state.fp, record.c))
-        where = machine.access(state, record, x)
-        window = pl.ds(where.address, machine.LANES)
+        where = machine_memory.access(state, record, x)
+        window = pl.ds(where.address, machine_memory.LANES)
         old = memory_ref[window]
-        loaded = machine.assemble_load(old.astype(U32), where.width, record.imm2)
+        loaded = machine_memory.assemble_load(old.astype(U32), where.width, record.imm2)
         following, value, write_index, commit = machine.execute(state, record, x, y, z, loaded,
                                                                 where.out_of_bounds, shape, select_chain)
         registers_ref[write_index, 0] = value[0]  # the scratch register when nothing is written
         registers_ref[write_index, 1] = value[1]
-        storing = where.is_store & commit & (jnp.arange(machine.LANES) < where.width)
-        memory_ref[window] = jnp.where(storing, machine.store_bytes(y), old)
+        storing = where.is_store & commit & (jnp.arange(machine_memory.LANES) < where.width)
+        memory_ref[window] = jnp.where(storing, machine_memory.store_bytes(y), old)
         if shape.trace_entries:
             row = machine.trace_row(state, record, commit, shape)
             for column, entry in enumerate(machine.trace_entry(state, record, value)):
@@ -73,17 +73,18 @@ def _kernel(steps_ref, code_ref, scalars_in, registers_in, memory_in, trace_in, 
         iteration, state = carry
         return (iteration < steps_ref[0]) & (state.status == Status.RUNNING)
 
-    scalars = [scalars_ref[column] for column in range(len(machine.SCALAR_FIELDS))]
-    state = machine.MachineState(*scalars, registers=None, memory=None, trace=None)
+    scalars = [scalars_ref[column] for column in range(len(machine_state.SCALAR_FIELDS))]
+    state = machine_state.MachineState(*scalars, registers=None, memory=None, trace=None)
     _, state = lax.while_loop(keep_going, run_record, (jnp.int32(0), state))
-    for column, name in enumerate(machine.SCALAR_FIELDS):
+    for column, name in enumerate(machine_state.SCALAR_FIELDS):
         scalars_ref[column] = getattr(state, name)
 
 
-def advance(state: machine.MachineState, code: jax.Array, steps: jax.Array, shape: machine.MachineShape, *,
-            interpret: bool = False) -> machine.MachineState:
+def advance(state: machine_state.MachineState, code: jax.Array, steps: jax.Array, shape: machine.MachineShape, *,
+            interpret: bool = False) -> machine_state.MachineState:
     """``loops.advance`` as one kernel."""
-    scalars = jnp.pad(machine.pack_scalars(state), ((0, 0), (0, SCALAR_COLUMNS - len(machine.SCALAR_FIELDS))))
+    scalars = jnp.pad(machine_state.pack_scalars(state),
+                      ((0, 0), (0, SCALAR_COLUMNS - len(machine_state.SCALAR_FIELDS))))
     registers, memory, trace = state.registers, state.memory, state.trace
 
     def per_slot(array: jax.Array) -> pl.BlockSpec:
@@ -101,4 +102,4 @@ def advance(state: machine.MachineState, code: jax.Array, steps: jax.Array, shap
         compiler_params=pl_triton.CompilerParams(num_warps=1, num_stages=1),
         name="jaxinfer_wasm_machine",
     )(jnp.reshape(steps, (1,)).astype(jnp.int32), code, *arrays)
-    return machine.unpack_scalars(scalars[:, : len(machine.SCALAR_FIELDS)], registers, memory, trace)
+    return machine_state.unpack_scalars(scalars[:, : len(machine_state.SCALAR_FIELDS)], registers, memory, trace)

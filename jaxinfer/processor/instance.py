@@ -16,7 +16,8 @@ import jax
 import numpy as np
 import wasmtime
 
-from jaxinfer.processor import loops, machine
+from jaxinfer.machine_shape import PAGE_BYTES
+from jaxinfer.processor import loops, machine, machine_state
 from jaxinfer.processor.binary import LimitExceeded, MalformedModule, Module, decode
 from jaxinfer.processor.isa import FIELD, NO_WRITE, RECORD_WIDTH, Op, Status, Trap
 from jaxinfer.processor.lower import Unsupported, lower
@@ -63,7 +64,7 @@ def serve_host_call(code: np.ndarray, scalars: np.ndarray, registers: np.ndarray
     args = [int(registers[base + i, 0]) | (int(registers[base + i, 1]) << 32 if params[i] == "I" else 0)
             for i in range(count)]
     try:
-        errno = syscalls.call(number, args, memory[: pages * machine.PAGE_BYTES + 8])
+        errno = syscalls.call(number, args, memory[: pages * PAGE_BYTES + 8])
     except ProcessExit as exit_:
         return HostCallOutcome(False, exit_code=exit_.code)
     except QuotaExceeded:
@@ -77,7 +78,7 @@ def serve_host_call(code: np.ndarray, scalars: np.ndarray, registers: np.ndarray
     return HostCallOutcome(True)
 
 
-_SCALAR = machine.SCALAR
+_SCALAR = machine_state.SCALAR
 
 
 def trace_lines(rows: np.ndarray) -> list[str]:
@@ -153,11 +154,11 @@ def initial_memory(program: Program, memory_pages: int, capacity_pages: int,
     if minimum > memory_pages:
         raise LimitExceeded(f"a memory of {minimum} pages is over the limit of {memory_pages} pages "
                             "(exec_memory_pages)")
-    memory = np.zeros(capacity_pages * machine.PAGE_BYTES + 8, np.uint8)
+    memory = np.zeros(capacity_pages * PAGE_BYTES + 8, np.uint8)
     if base is not None:
         memory[: len(base[0])] = np.frombuffer(base[0], np.uint8)
     for offset, payload in program.data:
-        if offset + len(payload) > minimum * machine.PAGE_BYTES:
+        if offset + len(payload) > minimum * PAGE_BYTES:
             raise Unsupported("data segment does not fit in memory")
         memory[offset : offset + len(payload)] = np.frombuffer(payload, np.uint8)
     return memory, minimum, maximum
@@ -175,8 +176,8 @@ def code_image(program: Program, code_length: int) -> np.ndarray:
 def entry_scalars(code: FunctionCode, base: int, fuel: int, pages: int, max_pages: int, page_limit: int,
                   tracing: bool) -> np.ndarray:
     """The scalars of a slot about to run ``code`` with its frame at register ``base``."""
-    return machine.scalar_row(pc=code.entry, fp=base, status=Status.RUNNING, fuel=fuel, pages=pages,
-                              max_pages=max_pages, page_limit=page_limit, tracing=tracing)
+    return machine_state.scalar_row(pc=code.entry, fp=base, status=Status.RUNNING, fuel=fuel, pages=pages,
+                                    max_pages=max_pages, page_limit=page_limit, tracing=tracing)
 
 
 def initial_registers(globals_: np.ndarray, code: FunctionCode, args: list[int], registers: int) -> np.ndarray:
@@ -259,21 +260,21 @@ class Instance:
         trap = Trap(int(state.trap[0])).message if status == Status.TRAPPED else None
         return self._finish(state, code, syscalls, trap)
 
-    def _serve(self, state: machine.MachineState, syscalls: Syscalls
-               ) -> tuple[machine.MachineState, HostCallOutcome]:
-        scalars = np.array(machine.pack_scalars(state)[0])
+    def _serve(self, state: machine_state.MachineState, syscalls: Syscalls
+               ) -> tuple[machine_state.MachineState, HostCallOutcome]:
+        scalars = np.array(machine_state.pack_scalars(state)[0])
         registers, memory = np.array(state.registers[0]), np.array(state.memory[0])
         outcome = serve_host_call(self.code[0], scalars, registers, memory, syscalls)
-        return machine.unpack_scalars(scalars[None], registers[None], memory[None], state.trace), outcome
+        return machine_state.unpack_scalars(scalars[None], registers[None], memory[None], state.trace), outcome
 
-    def _initial_state(self, code: FunctionCode, args: list[int], max_instructions: int) -> machine.MachineState:
+    def _initial_state(self, code: FunctionCode, args: list[int], max_instructions: int) -> machine_state.MachineState:
         registers = initial_registers(self.globals, code, args, self.shape.registers)[None]
         scalars = entry_scalars(code, len(self.globals), max_instructions, self.pages, self.max_pages,
                                 self.memory_limit, self.shape.trace_entries > 0)
         trace = np.zeros((1, self.shape.trace_entries + 1, 4), np.int32)
-        return machine.unpack_scalars(scalars[None], jax.numpy.asarray(registers), self.memory, trace)
+        return machine_state.unpack_scalars(scalars[None], jax.numpy.asarray(registers), self.memory, trace)
 
-    def _finish(self, state: machine.MachineState, code: FunctionCode, syscalls: Syscalls, trap: str | None,
+    def _finish(self, state: machine_state.MachineState, code: FunctionCode, syscalls: Syscalls, trap: str | None,
                 exit_code: int | None = None) -> ExecResult:
         registers = np.asarray(state.registers[0])
         base = len(self.globals)

@@ -17,18 +17,8 @@ from jax.experimental.xla_metadata import set_xla_metadata
 
 from jaxinfer.processor import gpu_kernel
 from jaxinfer.processor.isa import Status
-from jaxinfer.processor.machine import (
-    SCALAR,
-    MachineShape,
-    MachineState,
-    Pending,
-    apply_per_slot,
-    apply_writes,
-    no_writes,
-    pack_scalars,
-    step,
-    unpack_scalars,
-)
+from jaxinfer.processor.machine import MachineShape, Pending, apply_per_slot, apply_writes, no_writes, step
+from jaxinfer.processor.machine_state import SCALAR, MachineState, pack_scalars, unpack_scalars
 
 
 def advance(state: MachineState, code: jax.Array, steps: jax.Array, shape: MachineShape) -> MachineState:

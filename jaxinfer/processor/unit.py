@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.parallel.transfer import to_devices
-from jaxinfer.processor import loops, machine
+from jaxinfer.processor import loops, machine, machine_state
 from jaxinfer.processor.instance import (
     CompiledModule,
     code_image,
@@ -38,7 +38,7 @@ ALONE_FACTOR = 16  # a machine-only step (no sequence to compute) runs this many
 
 
 class ExecReport(NamedTuple):
-    scalars: jax.Array  # [slots, len(SCALAR_FIELDS)] int32 (machine.SCALAR names the columns)
+    scalars: jax.Array  # [slots, len(SCALAR_FIELDS)] int32 (machine_state.SCALAR names the columns)
     results: jax.Array  # [slots, RESULT_REGISTERS, 2] uint32: the registers where results are left
 
 
@@ -49,35 +49,36 @@ class SlotImage:
     code: np.ndarray
     registers: np.ndarray
     memory: np.ndarray
-    scalars: np.ndarray  # machine.SCALAR_FIELDS
+    scalars: np.ndarray  # machine_state.SCALAR_FIELDS
     result_types: str
 
 
-def report(state: machine.MachineState) -> ExecReport:
+def report(state: machine_state.MachineState) -> ExecReport:
     rows = jnp.arange(state.pc.shape[0])[:, None]
     positions = state.fp[:, None] + jnp.arange(RESULT_REGISTERS)[None, :]
-    return ExecReport(machine.pack_scalars(state), state.registers[rows, positions])
+    return ExecReport(machine_state.pack_scalars(state), state.registers[rows, positions])
 
 
-def advance_in_step(state: machine.MachineState, code: jax.Array, *, steps: int,
-                    shape: machine.MachineShape) -> tuple[machine.MachineState, ExecReport]:
+def advance_in_step(state: machine_state.MachineState, code: jax.Array, *, steps: int,
+                    shape: machine.MachineShape) -> tuple[machine_state.MachineState, ExecReport]:
     """What the engine's step runs: at most ``steps`` iterations, then the report."""
     state = loops.advance(state, code, jnp.int32(steps), shape)
     return state, report(state)
 
 
-def _write_slot(state: machine.MachineState, slot: jax.Array, registers, memory, scalars) -> machine.MachineState:
+def _write_slot(state: machine_state.MachineState, slot: jax.Array, registers, memory, scalars
+                ) -> machine_state.MachineState:
     fields = {name: getattr(state, name).at[slot].set(scalars[index])
-              for index, name in enumerate(machine.SCALAR_FIELDS)}
-    return machine.MachineState(**fields, registers=state.registers.at[slot].set(registers),
-                                memory=state.memory.at[slot].set(memory), trace=state.trace)
+              for index, name in enumerate(machine_state.SCALAR_FIELDS)}
+    return machine_state.MachineState(**fields, registers=state.registers.at[slot].set(registers),
+                                      memory=state.memory.at[slot].set(memory), trace=state.trace)
 
 
-def _load(state: machine.MachineState, code: jax.Array, slot: jax.Array, image_code, registers, memory, scalars):
+def _load(state: machine_state.MachineState, code: jax.Array, slot: jax.Array, image_code, registers, memory, scalars):
     return _write_slot(state, slot, registers, memory, scalars), code.at[slot].set(image_code)
 
 
-def _stop(state: machine.MachineState, slot: jax.Array) -> machine.MachineState:
+def _stop(state: machine_state.MachineState, slot: jax.Array) -> machine_state.MachineState:
     return state._replace(status=state.status.at[slot].set(Status.IDLE))
 
 
@@ -85,7 +86,7 @@ class ExecUnit:
     def __init__(self, shape: machine.MachineShape, steps_per_step: int, sharding: jax.sharding.Sharding) -> None:
         self.shape, self.steps, self.sharding = shape, steps_per_step, sharding
         # Built on the devices: host zeros sent across processes would be compared first (parallel.transfer).
-        self.state = machine.empty_state(shape, sharding)
+        self.state = machine_state.empty_state(shape, sharding)
         self.code = jnp.zeros((shape.slots, shape.code_length, 8), jnp.int32, device=sharding)
         self._load = jax.jit(_load, donate_argnums=(0, 1))
         self._write = jax.jit(_write_slot, donate_argnums=(0,))
@@ -93,8 +94,8 @@ class ExecUnit:
                               donate_argnums=(0,))
         self._stop = jax.jit(_stop, donate_argnums=(0,))
         # Reads take the slot as an argument: one program each, whatever the slot.
-        self._read_slot = jax.jit(lambda state, slot: (machine.pack_scalars(state)[slot], state.registers[slot],
-                                                       state.memory[slot]))
+        self._read_slot = jax.jit(lambda state, slot: (machine_state.pack_scalars(state)[slot], state.registers[slot],
+                                                             state.memory[slot]))
         self._read_trace = jax.jit(lambda state, slot: state.trace[slot])
         self.free = list(range(shape.slots))
         # How a change to the machine state runs: at once here; in a process group's leader it is
@@ -139,7 +140,7 @@ class ExecUnit:
         """Host arrays on the state's devices, in one explicit copy (no implicit transfer at the call)."""
         return tuple(to_devices(arrays, self.sharding))
 
-    def _local(self, slot: int) -> tuple[machine.MachineState, jax.Array]:
+    def _local(self, slot: int) -> tuple[machine_state.MachineState, jax.Array]:
         """The state as this process's first device holds it (replicated: reads need no other process),
         and the slot's index sent there explicitly."""
         state = jax.tree.map(lambda array: array.addressable_data(0), self.state)
@@ -193,7 +194,8 @@ class ExecUnit:
         """Compiles the load, stop and machine-only programs now rather than at the first program."""
         shape = self.shape
         idle = SlotImage(np.zeros((shape.code_length, 8), np.int32), np.zeros((shape.registers + 1, 2), np.uint32),
-                         np.zeros(shape.memory_bytes + 8, np.uint8), np.zeros(len(machine.SCALAR_FIELDS), np.int32), "")
+                         np.zeros(shape.memory_bytes + 8, np.uint8),
+                         np.zeros(len(machine_state.SCALAR_FIELDS), np.int32), "")
         # Every process warms up alike, so none of this is sent to followers.
         self._load_image(0, {"code": idle.code, "registers": idle.registers, "memory": idle.memory,
                              "scalars": idle.scalars})
