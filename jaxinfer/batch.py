@@ -3,6 +3,9 @@
 Each input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, with optional
 per-line sampling fields. Output lines come in input order; a malformed line gets an output line
 with an `error` field naming the problem, and every other line still runs.
+
+This module is the command line and the run (the engine settings the lines need, their adapters, the
+summary); the input lines are read by `batch_lines.py`, the output written by `batch_output.py`.
 """
 
 from __future__ import annotations
@@ -11,17 +14,14 @@ import argparse
 import dataclasses
 import json
 import logging
-import os
-import re
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 from tqdm import tqdm
 
+from jaxinfer.batch_lines import UNDECODABLE_BYTE, Job, _open_input, read_jobs  # noqa: F401 (UNDECODABLE_BYTE: tests)
+from jaxinfer.batch_output import _write_output, _write_whole, check_output_paths
 from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
@@ -31,21 +31,7 @@ from jaxinfer.errors import CheckpointError, JaxinferError, RequestError
 from jaxinfer.parallel.distributed import ProcessGroup, initialize
 from jaxinfer.parallel.lockstep import Follower, LeaderStopped, connect
 
-SAMPLING_FIELDS = {f.name for f in fields(SamplingParams)}
-LINE_FIELDS = {"id", "prompt", "messages", "adapter"} | SAMPLING_FIELDS
-UNDECODABLE_BYTE = re.compile("[\udc80-\udcff]")  # what surrogateescape decodes a non-UTF-8 byte to
 DEFAULT_EXEC_SLOTS = 4  # processor slots when lines run programs and neither --exec-slots nor the config sets them
-
-
-@dataclass
-class Job:
-    line: int
-    id: Any
-    prompt: str | None = None
-    messages: list | None = None
-    params: SamplingParams | None = None
-    adapter: str = ""  # a LoRA adapter (registry name or folder) for this line; "": --adapter's
-    error: str | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -111,64 +97,6 @@ def default_params(args: argparse.Namespace) -> dict[str, Any]:
         "stop": tuple(args.stop),
         "exec": args.exec,
     }
-
-
-class _NonStandardNumber(Exception):
-    """NaN, Infinity or -Infinity in an input line."""
-
-
-def _refuse_constant(name: str) -> None:
-    raise _NonStandardNumber(name)
-
-
-def parse_line(number: int, text: str, defaults: dict[str, Any]) -> Job:
-    """One input line as a job, or a job that carries the line's error (the other lines still run)."""
-    undecodable = UNDECODABLE_BYTE.search(text)
-    if undecodable is not None:  # a byte that is not UTF-8, kept by the input's surrogateescape decoding
-        byte, column = ord(undecodable.group()) - 0xDC00, undecodable.start() + 1
-        return Job(number, None, error=f"line {number}: invalid UTF-8 (byte 0x{byte:02x} at column {column})")
-    try:
-        record = json.loads(text, parse_constant=_refuse_constant)
-    except json.JSONDecodeError as exc:
-        return Job(number, None, error=f"line {number}: invalid JSON ({exc.msg}, column {exc.colno})")
-    except _NonStandardNumber as exc:  # Python's json reads them, but they are not JSON: the output could not be
-        return Job(number, None, error=f"line {number}: invalid JSON ({exc} is not a JSON number)")
-    except ValueError:  # the one other ValueError json raises: Python's integer conversion limit
-        return Job(number, None, error=f"line {number}: invalid JSON (an integer has more than "
-                                       f"{sys.get_int_max_str_digits()} digits)")
-    except RecursionError:
-        return Job(number, None, error=f"line {number}: invalid JSON (nested deeper than the parser's recursion "
-                                       "limit)")
-    if not isinstance(record, dict):
-        return Job(number, None, error=f"line {number}: expected a JSON object")
-    job = Job(number, record.get("id", number))
-    unknown = sorted(set(record) - LINE_FIELDS)
-    has_prompt, has_messages = "prompt" in record, "messages" in record
-    try:
-        if unknown:
-            raise RequestError(f"unknown field(s) {', '.join(unknown)}")
-        if has_prompt == has_messages:
-            raise RequestError("give exactly one of prompt or messages")
-        if has_prompt and not (isinstance(record["prompt"], str | list) and record["prompt"]):
-            raise RequestError('prompt: must be a non-empty string or a list of parts (strings and {"special": NAME})')
-        if has_messages and not isinstance(record["messages"], list):
-            raise RequestError("messages: must be a list of {role, content} objects")
-        job.adapter = record.get("adapter", "")
-        if not isinstance(job.adapter, str):
-            raise RequestError("adapter: must be a string (a registry name or an adapter folder)")
-        overrides = {k: record[k] for k in SAMPLING_FIELDS if k in record}
-        if isinstance(overrides.get("stop"), list):
-            overrides["stop"] = tuple(overrides["stop"])
-        job.params = SamplingParams(**{**defaults, **overrides})
-    except (RequestError, TypeError) as exc:
-        job.error = f"line {number}: {exc}"
-        return job
-    job.prompt, job.messages = record.get("prompt"), record.get("messages")
-    return job
-
-
-def read_jobs(stream: TextIO, defaults: dict[str, Any]) -> list[Job]:
-    return [parse_line(n, line, defaults) for n, line in enumerate(stream, 1) if line.strip()]
 
 
 def to_request(llm, job: Job) -> Request | None:
@@ -314,116 +242,6 @@ def cached_by_tier(cached: int, stats: EngineStats) -> dict[str, int]:
     """Cached prompt tokens split by the tier they came from (device pages, host memory, the store)."""
     l2, l3 = stats.prefix_hit_tokens_l2, stats.prefix_hit_tokens_l3
     return {"cached_tokens_l1": cached - l2 - l3, "cached_tokens_l2": l2, "cached_tokens_l3": l3}
-
-
-def _open_input(path: str) -> TextIO:
-    # Bytes that are not UTF-8 decode to lone surrogates, which `parse_line` reports for their line only.
-    if path == "-":
-        return os.fdopen(os.dup(sys.stdin.fileno()), encoding="utf-8", errors="surrogateescape")
-    try:
-        return open(path, encoding="utf-8", errors="surrogateescape")
-    except FileNotFoundError:
-        raise JaxinferError(f"--input: file not found: {path}") from None
-
-
-def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
-    lines = []
-    for job in jobs:
-        if job.error is not None:
-            lines.append({"id": job.id, "error": job.error})
-            continue
-        out = results[id(job)]
-        record = {
-            "id": job.id,
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens,
-                      "cached_tokens": out.usage.cached_tokens},
-        }
-        if out.logprobs is not None:
-            record["logprobs"] = out.logprobs
-        if out.top_logprobs is not None:
-            record["top_logprobs"] = _pairs(out.top_logprobs)
-        if out.prompt_logprobs is not None:
-            record["prompt_logprobs"] = out.prompt_logprobs  # null for the first token
-        if out.prompt_top_logprobs is not None:
-            record["prompt_top_logprobs"] = _pairs(out.prompt_top_logprobs)
-        lines.append(record)
-    text = "".join(_json_line(r) for r in lines)
-    if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    _write_whole(path, text, "--output")
-
-
-def _pairs(tops: list[list[tuple[int, float]]]) -> list[list[list[int | float]]]:
-    """Per token, its (id, logprob) alternatives as JSON arrays."""
-    return [[[token, logprob] for token, logprob in top] for top in tops]
-
-
-def _write_whole(path: str, text: str, flag: str) -> None:
-    """Writes a file through a temporary file of its own in the same folder, renamed over the target, so
-    a reader never sees half of it and two runs writing the same path do not share a temporary file."""
-    target, tmp = Path(path), None
-    try:
-        descriptor, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        with os.fdopen(descriptor, "w", encoding="utf-8") as out:
-            os.fchmod(out.fileno(), _file_mode(target))  # mkstemp's are 0600; an output is an ordinary file
-            out.write(text)
-        os.replace(tmp, target)
-    except OSError as exc:
-        raise JaxinferError(f"{flag}: cannot write {path} ({exc.strerror or exc})") from None
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-
-
-def _file_mode(target: Path) -> int:
-    """The mode a plain `open(target, "w")` would leave: the existing file's, or 0666 less the umask."""
-    if target.exists():
-        return target.stat().st_mode & 0o777
-    return 0o666 & ~_umask()
-
-
-def _umask() -> int:
-    """The process umask, read without setting it (`os.umask` would change it for other threads a moment)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    return 0o022
-
-
-def check_output_paths(args: argparse.Namespace) -> None:
-    """Fails before the model loads, rather than losing a finished run's results at the end."""
-    for flag, path in (("--output", args.output), ("--stats-json", args.stats_json)):
-        if not path or path == "-":
-            continue
-        target = Path(path)
-        if target.is_dir():
-            raise JaxinferError(f"{flag}: {path} is a folder")
-        if not target.parent.is_dir():
-            raise JaxinferError(f"{flag}: folder not found: {target.parent}")
-        if not os.access(target.parent, os.W_OK):
-            raise JaxinferError(f"{flag}: folder not writable: {target.parent}")
-        if args.input != "-" and target.exists() and Path(args.input).exists() \
-                and os.path.samefile(args.input, target):
-            raise JaxinferError(f"{flag}: {path} is the input file; the run would replace it")
-
-
-def _json_line(record: dict[str, Any]) -> str:
-    """A record as one line of UTF-8 JSON; one that holds text UTF-8 cannot carry (an id with a lone
-    surrogate from a JSON escape) is written with escapes instead, so no record stops the output."""
-    line = json.dumps(record, ensure_ascii=False)
-    try:
-        line.encode("utf-8")
-    except UnicodeEncodeError:
-        line = json.dumps(record)
-    return line + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
