@@ -1,11 +1,15 @@
-"""What the benchmark tools share: JSON lines out, seeded random prompts, exact-length requests, timed engines.
+"""What the benchmark tools share: JSON lines out, the model loaded, seeded random prompts, exact-length requests,
+timed engines.
 
-`bench.py`, `shape_bench.py` and `step_profile.py` import it; it imports none of them.
+`bench.py`, its benchmark families (`bench_throughput.py`, `bench_kv.py`, `bench_features.py`, `bench_compute.py`),
+`bench_peers.py`, `shape_bench.py` and `step_profile.py` import it; it imports none of them.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import time
 import weakref
 
@@ -14,6 +18,21 @@ import numpy as np
 
 def emit(record: dict) -> None:
     print(json.dumps(record), flush=True)
+
+
+def load_llm(args: argparse.Namespace):
+    import jax
+
+    from jaxinfer import LLM
+
+    start = time.perf_counter()
+    llm = LLM(args.model, args.config)
+    emit(dict(what="jaxinfer_env", jax=jax.__version__, backend=jax.default_backend(), devices=len(jax.devices()),
+              cpus=os.cpu_count(), model=args.model, dtype=np.dtype(llm.dtype).name,
+              load_s=round(llm.load_seconds, 1), warmup_s=round(llm.warmup_seconds, 1),
+              compiles=llm.runner.num_compiles, buckets=list(llm.config.token_buckets),
+              max_seqs=llm.config.max_seqs, startup_s=round(time.perf_counter() - start, 1)))
+    return llm
 
 
 def random_prompts(llm, lengths: list[int], seed: int) -> list[list[int]]:
