@@ -7,9 +7,21 @@ the binary through this module, so there is one front end whatever the input was
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass, field
 
 from jaxinfer.processor.opcodes import OPCODES, VALUE_TYPE_BYTES, OpInfo
+from jaxinfer.processor.wasm_module import (  # re-exported: the decoder's importers read them from here
+    Function,
+    FuncType,
+    Global,
+    Import,
+    Instruction,
+    Limits,
+    Module,
+    Segment,
+)
+
+__all__ = ["FuncType", "Function", "Global", "Import", "Instruction", "LimitExceeded", "Limits",
+           "MalformedModule", "Module", "Segment", "Unsupported", "decode", "read_expression"]
 
 MAGIC = b"\x00asm"
 VERSION = b"\x01\x00\x00\x00"
@@ -40,77 +52,6 @@ LATER_OPCODES = {
 }
 LATER_TYPES = {0x7B: "v128", 0x70: "funcref", 0x6F: "externref", 0x64: "(ref ...)", 0x63: "(ref null ...)",
                **{code: "a reference type" for code in range(0x65, 0x75) if code not in (0x6F, 0x70)}}
-
-
-@dataclass(frozen=True)
-class FuncType:
-    params: str
-    results: str
-
-
-@dataclass(frozen=True)
-class Limits:
-    minimum: int
-    maximum: int | None
-
-
-@dataclass(frozen=True)
-class Instruction:
-    info: OpInfo
-    immediates: tuple = ()
-
-    @property
-    def name(self) -> str:
-        return self.info.name
-
-
-@dataclass(frozen=True)
-class Import:
-    module: str
-    name: str
-    kind: str  # "func" | "table" | "memory" | "global"
-    desc: object  # type index | Limits | (value type, mutable)
-
-
-@dataclass(frozen=True)
-class Global:
-    value_type: str
-    mutable: bool
-    init: tuple[Instruction, ...]
-
-
-@dataclass(frozen=True)
-class Function:
-    type_index: int
-    local_types: str
-    body: tuple[Instruction, ...]
-
-
-@dataclass(frozen=True)
-class Segment:
-    """An element or data segment: the index space it fills, its offset expression and payload."""
-
-    index: int
-    offset: tuple[Instruction, ...]
-    payload: object  # list of function indices | bytes
-
-
-@dataclass
-class Module:
-    types: list[FuncType] = field(default_factory=list)
-    imports: list[Import] = field(default_factory=list)
-    function_types: list[int] = field(default_factory=list)
-    tables: list[Limits] = field(default_factory=list)
-    memories: list[Limits] = field(default_factory=list)
-    globals: list[Global] = field(default_factory=list)
-    exports: dict[str, tuple[str, int]] = field(default_factory=dict)
-    start: int | None = None
-    elements: list[Segment] = field(default_factory=list)
-    data: list[Segment] = field(default_factory=list)
-    functions: list[Function] = field(default_factory=list)
-
-    def imported(self, kind: str) -> list[Import]:
-        return [entry for entry in self.imports if entry.kind == kind]
 
 
 class _Reader:
