@@ -20,8 +20,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jaxinfer.batch_lines import UNDECODABLE_BYTE, Job, _open_input, read_jobs  # noqa: F401 (UNDECODABLE_BYTE: tests)
-from jaxinfer.batch_output import _write_output, _write_whole, check_output_paths
+from jaxinfer.batch_lines import UNDECODABLE_BYTE, Job, open_input, read_jobs  # noqa: F401 (UNDECODABLE_BYTE: tests)
+from jaxinfer.batch_output import check_output_paths, write_output, write_whole
 from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return {"process_id": group.process_id, "steps_replayed": llm.serve_follower()}
     try:  # whatever ends the leader's run (a bad input file included) stops the followers too
         check_output_paths(args)
-        with _open_input(args.input) as stream:
+        with open_input(args.input) as stream:
             jobs = read_jobs(stream, defaults)
         llm = LLM(args.model, _with_line_needs(config, args, jobs, group), process_group=group, lockstep=channel)
         return _run_jobs(args, llm, jobs)
@@ -193,7 +193,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
     wall = time.perf_counter() - start
     engine.persist_prefix_cache()  # with an L3 store, a later run reuses this run's prefix pages
     compiles = XLA_COMPILES.since(compiles_at_start)
-    _write_output(args.output, jobs, results)
+    write_output(args.output, jobs, results)
     completion = sum(o.usage.completion_tokens for o in outputs)
     metrics = llm.engine.metrics()
     return {
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {summary['xla_compiles_after_warmup']} XLA programs compiled after warm-up", file=sys.stderr)
     if args.stats_json:
         try:
-            _write_whole(args.stats_json, json.dumps(summary) + "\n", "--stats-json")
+            write_whole(args.stats_json, json.dumps(summary) + "\n", "--stats-json")
         except JaxinferError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

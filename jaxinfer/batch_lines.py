@@ -88,7 +88,7 @@ def read_jobs(stream: TextIO, defaults: dict[str, Any]) -> list[Job]:
     return [parse_line(n, line, defaults) for n, line in enumerate(stream, 1) if line.strip()]
 
 
-def _open_input(path: str) -> TextIO:
+def open_input(path: str) -> TextIO:
     # Bytes that are not UTF-8 decode to lone surrogates, which `parse_line` reports for their line only.
     if path == "-":
         return os.fdopen(os.dup(sys.stdin.fileno()), encoding="utf-8", errors="surrogateescape")

@@ -16,7 +16,7 @@ from jaxinfer.batch_lines import Job
 from jaxinfer.errors import JaxinferError
 
 
-def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
+def write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
     lines = []
     for job in jobs:
         if job.error is not None:
@@ -45,7 +45,7 @@ def _write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
         return
-    _write_whole(path, text, "--output")
+    write_whole(path, text, "--output")
 
 
 def _pairs(tops: list[list[tuple[int, float]]]) -> list[list[list[int | float]]]:
@@ -53,7 +53,7 @@ def _pairs(tops: list[list[tuple[int, float]]]) -> list[list[list[int | float]]]
     return [[[token, logprob] for token, logprob in top] for top in tops]
 
 
-def _write_whole(path: str, text: str, flag: str) -> None:
+def write_whole(path: str, text: str, flag: str) -> None:
     """Writes a file through a temporary file of its own in the same folder, renamed over the target, so
     a reader never sees half of it and two runs writing the same path do not share a temporary file."""
     target, tmp = Path(path), None

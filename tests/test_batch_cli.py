@@ -346,8 +346,8 @@ def test_exec_slots_come_from_the_flag_then_the_config_then_the_default(
 
 
 def test_an_output_folder_gone_by_the_end_is_a_named_error(tmp_path):
-    from jaxinfer.batch import _write_whole
+    from jaxinfer.batch_output import write_whole
     from jaxinfer.errors import JaxinferError
 
     with pytest.raises(JaxinferError, match=r"--output: cannot write .*No such file or directory"):
-        _write_whole(str(tmp_path / "gone" / "out.jsonl"), "{}\n", "--output")
+        write_whole(str(tmp_path / "gone" / "out.jsonl"), "{}\n", "--output")

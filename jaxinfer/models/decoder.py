@@ -89,8 +89,8 @@ class CausalLM(nnx.Module):
 
     @staticmethod
     def layer_spec(cfg: ModelConfig, index: int) -> LayerSpec:
-        """Layer `index`'s kind and variants; a family overrides it."""
-        raise NotImplementedError
+        """Layer `index`'s kind and variants; each family class (models/llama.py, qwen.py) defines it."""
+        raise NotImplementedError("CausalLM is the shared decoder: build a family class (models.model_class)")
 
     @property
     def layer_kinds(self) -> tuple[str, ...]:
