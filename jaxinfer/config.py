@@ -207,6 +207,12 @@ class EngineConfig:
     # device (-1: max_seqs; 0: penalties refused). Others wait for a row; none with a draft model.
     max_penalized_seqs: int = -1
     max_model_len: int = 0  # 0: the model's context length, capped at 8192
+    # Structured output (docs/guided.md): compiled grammars resident on the device at once (0: guided off),
+    # states of one automaton at most, states all resident grammars share, token classes of one automaton.
+    guided_grammars: int = 8
+    guided_max_states: int = 4096
+    guided_pool_states: int = 16384
+    guided_max_classes: int = 256
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu | pallas_tpu | ragged_reference
     attention_block_tokens: int = 128  # keys visited per attention loop iteration
@@ -296,6 +302,7 @@ class EngineConfig:
         if not 0 <= self.exec_slots <= 1024:
             raise ConfigError(f"engine.exec_slots must be in [0, 1024], got {self.exec_slots}")
         self._check_lora()
+        self._check_guided()
         if not -1 <= self.max_penalized_seqs <= self.max_seqs:
             raise ConfigError(f"engine.max_penalized_seqs must be in [-1, max_seqs = {self.max_seqs}], got "
                               f"{self.max_penalized_seqs}")
@@ -306,6 +313,14 @@ class EngineConfig:
             raise ConfigError(f"engine.attention_backend = ragged_reference gathers each sequence's whole page list "
                               f"for every token (a test backend): set engine.max_model_len to at most "
                               f"{RAGGED_REFERENCE_MAX_LEN}, got {self.max_model_len or 'the model default'}")
+
+    def _check_guided(self) -> None:
+        if not 0 <= self.guided_grammars <= 256:
+            raise ConfigError(f"engine.guided_grammars must be in [0, 256], got {self.guided_grammars}")
+        for name in ("guided_max_states", "guided_max_classes") if self.guided_grammars else ():
+            if not 1 <= getattr(self, name) <= self.guided_pool_states:
+                raise ConfigError(f"engine.{name} must be in [1, guided_pool_states = {self.guided_pool_states}], "
+                                  f"got {getattr(self, name)}")
 
     def _check_lora(self) -> None:
         from jaxinfer.layers.lora import LORA_TARGETS

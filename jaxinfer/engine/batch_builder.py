@@ -59,6 +59,7 @@ class StepBatchBuilder:
         batch.adapters[:total] = np.repeat(np.array([seq.adapter_slot for seq in seqs], np.int32), counts)
         self._fill_sampling_rows(batch, 0, seqs, [seq.num_generated for seq in seqs])
         self._fill_penalties(batch, chunks)
+        self._fill_guides(batch, chunks)
         # Padding tokens read (never write) the last real row, so a trailing prefill tile stays one sequence.
         batch.seq_rows[total:] = rows - 1
         batch.positions[total:] = 0

@@ -37,6 +37,7 @@ from jaxinfer.engine.admission import RequestAdmission
 from jaxinfer.engine.batch_builder import StepBatchBuilder
 from jaxinfer.engine.disagg import PagePublisher
 from jaxinfer.engine.executor import Executor
+from jaxinfer.engine.guided_rows import GuidedRows
 from jaxinfer.engine.inflight import InflightStep
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.outputs import OutputAssembly, top_pairs
@@ -81,8 +82,8 @@ def run_to_completion(engine, sequences: list[Sequence], on_finish: Callable[[Re
     return [outputs[seq.index] for seq in sequences]
 
 
-class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, PromptSpans, OutputAssembly, SpeculativeRounds,
-             TierMoves):
+class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, GuidedRows, PromptSpans, OutputAssembly,
+             SpeculativeRounds, TierMoves):
     """One engine over a runner: its state lives here, each concern's methods in the mixin named for it."""
 
     def __init__(
@@ -111,8 +112,9 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, PromptSpans, Outp
             runner.warmup_tiers()
         self.scheduler.tiers = runner.tiers  # and come back on a hit
         self.scheduler.write_pages = self._write_restored_pages
-        self.scheduler.claim = self._claim_penalty_slot
-        self.scheduler.on_release = self._release_penalty_slot
+        self.scheduler.claim = self._claim_slots
+        self.scheduler.on_release = self._release_slots
+        runner.set_guide_eos(sorted(tokenizer.eos_ids))
         store = runner.tiers.store if runner.tiers is not None else None
         self._publisher = PagePublisher(runner, store, self.cfg.page_size, self.stats) if store is not None else None
         self.speculator: Speculator | None = None
@@ -160,6 +162,9 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, PromptSpans, Outp
         self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
     ) -> list[RequestOutput]:
         """Runs the requests to completion; outputs in request order."""
+        for request in requests:  # the constraints compile side by side, off this thread
+            if request.params.guided is not None and self.cfg.guided_grammars:
+                self.guide_compiler().submit(request.params.guided)
         for request in requests:
             self.validate(request)
         sequences = [self._enqueue(r) for r in requests]  # all validated first: none queued if one is bad
@@ -304,6 +309,14 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, PromptSpans, Outp
         self.stats.aborted += 1
         return self._output(seq)
 
+    def _claim_slots(self, seq: Sequence) -> bool:
+        """On admission, what a sequence holds besides pages: its grammar on the device, a penalty slot."""
+        return self._claim_guide(seq) and self._claim_penalty_slot(seq)
+
+    def _release_slots(self, seq: Sequence) -> None:
+        self._release_guide(seq)
+        self._release_penalty_slot(seq)
+
     def _release(self, seq: Sequence) -> None:
         """Ends a sequence's claims: its program, its pages and queue place, its adapter."""
         if self.executor is not None:
@@ -336,6 +349,7 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, PromptSpans, Outp
         seq.logprobs = list(request.generated_logprobs) or [0.0] * len(request.generated_ids)
         if params.top_logprobs:  # a prefill worker's, else none (not sampled here)
             seq.top_logprobs = list(request.generated_top_logprobs) or [[] for _ in request.generated_ids]
+        self._start_guide(seq)
         if params.logit_bias:  # as arrays once, not per step
             ids, biases = zip(*params.logit_bias, strict=True)
             seq.bias = (np.array(ids, np.int32), np.array(biases, np.float32))

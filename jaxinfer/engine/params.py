@@ -6,8 +6,10 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import Any
 
 from jaxinfer.errors import RequestError
+from jaxinfer.guided.spec import GuidedSpec, guided_spec
 
 MAX_SEED = 2**32 - 1
 MAX_INT32 = 2**31 - 1
@@ -38,6 +40,9 @@ class SamplingParams:
     # string keys are read as ids. Kept as (id, bias) pairs in id order.
     logit_bias: Mapping[int | str, float] | tuple[tuple[int, float], ...] = ()
     seed: int | None = None
+    # Structured output: {"json_schema": {...}} | {"json_object": True} | {"regex": "..."} | {"choice": [...]}
+    # | {"grammar": "..."} (jaxinfer/guided/spec.py), kept as a GuidedSpec; None: unconstrained.
+    guided: GuidedSpec | Mapping[str, Any] | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
@@ -62,6 +67,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", _list_field("stop_token_ids", self.stop_token_ids))
         object.__setattr__(self, "exec_files", _list_field("exec_files", self.exec_files))
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "guided", guided_spec(self.guided))
         self._check()
 
     @property

@@ -18,6 +18,8 @@ from jaxinfer.tokenizer.detokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
     from jaxinfer.engine.adapters import AdapterInfo
+    from jaxinfer.engine.guide_slots import LoadedGrammar
+    from jaxinfer.guided.automaton import TokenAutomaton
 
 
 def prefix_salt(request: Request, adapter: AdapterInfo | None) -> str:
@@ -58,6 +60,9 @@ class Sequence:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_scored: int = 0  # prompt positions that dispatched steps score (position p scores token p + 1)
     bias: tuple[np.ndarray, np.ndarray] | None = None  # logit_bias as the step's arrays: ids, biases
+    guide: TokenAutomaton | None = None  # its guided constraint's automaton (engine/guided_rows.py)
+    guide_state: int = 0  # the automaton's state after the output ids the host has read back
+    guide_loaded: LoadedGrammar | None = None  # where the automaton is on the device, while it runs
 
     @property
     def adapter_slot(self) -> int:

@@ -30,6 +30,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.adapters import AdapterInfo, AdapterSlots, ReadAdapter
+from jaxinfer.engine.guide_loads import GuideLoads
+from jaxinfer.engine.guide_tables import GuideTables, constrain
 from jaxinfer.engine.logit_bias import add_bias
 from jaxinfer.engine.page_copies import PageCopies, export_all_layers, import_all_layers
 from jaxinfer.engine.params import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
@@ -49,16 +51,17 @@ from jaxinfer.weights.adapter_file import AdapterWeights
 log = logging.getLogger(__name__)
 
 
-def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs, machine=None,
-          code=None, *, cache_shardings, counts_sharding, exec_fn=None):
+def _step(graphdef, state, caches, counts: jax.Array, prev_tokens: jax.Array, packed: PackedInputs,
+          guides: GuideTables, machine=None, code=None, *, cache_shardings, counts_sharding, exec_fn=None):
     inputs = packed.unpack()
     model = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = model(ids, caches, inputs.meta, inputs.adapters)
     caches = keep_shardings(caches, cache_shardings)
     logits = model.logits(hidden[inputs.logits_rows], inputs.adapters[inputs.logits_rows])
-    # The bias, then the penalties, then the sampler's filters (vLLM's order); the logprobs stay the raw model's.
-    adjusted = penalize(add_bias(logits, inputs.bias), counts, inputs.penalties)
+    # The bias, the penalties, the guided mask, then the sampler's filters; the logprobs stay the raw model's.
+    adjusted = constrain(penalize(add_bias(logits, inputs.bias), counts, inputs.penalties), guides, inputs.guide,
+                         prev_tokens)
     tokens, logprobs = sample(logits, inputs.sampling, adjusted)
     counts = jax.lax.with_sharding_constraint(count_sampled(counts, inputs.penalties.slot, tokens), counts_sharding)
     pad = (0, prev_tokens.shape[0] - tokens.shape[0])
@@ -79,9 +82,10 @@ def keep_shardings(caches, shardings):
     return jax.lax.with_sharding_constraint(caches, shardings)
 
 
-class ModelRunner(PageCopies):
+class ModelRunner(PageCopies, GuideLoads):
     """The device side of an engine: weights, KV pools, penalty counts, adapters, and each bucket's
-    compiled step; `dispatch` enqueues a step, the page copies for the KV tiers are `PageCopies`'."""
+    compiled step; `dispatch` enqueues a step, the page copies for the KV tiers are `PageCopies`',
+    the guided-output tables' loads `GuideLoads`'."""
 
     def __init__(self, model: CausalLM, model_cfg: ModelConfig, cfg: EngineConfig, mesh: Mesh):
         self.model_cfg, self.cfg, self.mesh = model_cfg, cfg, mesh
@@ -113,7 +117,8 @@ class ModelRunner(PageCopies):
         self._jitted = jax.jit(functools.partial(_step, cache_shardings=self.cache_shardings,
                                                  counts_sharding=self.replicated, exec_fn=exec_fn),
                                static_argnums=0,
-                               donate_argnums=(2, 3, 6) if exec_fn is not None else (2, 3))
+                               donate_argnums=(2, 3, 7) if exec_fn is not None else (2, 3))
+        self._init_guides()
         self._export_pages = functools.partial(export_all_layers, model.kv_layout)
         self._export_fn = jax.jit(self._export_pages)
         self._import_fn = jax.jit(functools.partial(import_all_layers, model.kv_layout), donate_argnums=(0,),
@@ -180,6 +185,8 @@ class ModelRunner(PageCopies):
             self.install_adapter(fields["name"], fields["slot"], Path(fields["path"]), weights)
         elif method == "unload_adapter":
             self._unload(fields["name"])
+        elif method == "load_guide":
+            self._install_guide(fields["slot"], fields["base"], fields["states"], arrays)
         elif method == "load_penalties":
             self._load_penalties(fields["slot"], arrays["ids"], fields["num_prompt"])
         elif method.startswith("exec_") and self.exec_unit is not None:
@@ -256,6 +263,9 @@ class ModelRunner(PageCopies):
             banned=np.full((rows, MAX_BANNED), -1, np.int32),
             bias_ids=np.full((rows, MAX_LOGIT_BIAS), -1, np.int32),
             bias_values=np.zeros((rows, MAX_LOGIT_BIAS), np.float32),
+            guide_state=np.full(rows, -1, np.int32),
+            guide_grammar=np.zeros(rows, np.int32),
+            guide_prev=np.full(rows, -1, np.int32),
             penalty_slot=np.full(rows, -1, np.int32),
             repetition_penalty=np.ones(rows, np.float32),
             frequency_penalty=np.zeros(rows, np.float32),
@@ -277,7 +287,7 @@ class ModelRunner(PageCopies):
         start = time.perf_counter()
         lowered = self._jitted.lower(
             self.graphdef, self.state, self.caches, self.penalty_counts, self.no_tokens, self.abstract_inputs(bucket),
-            *self._exec_args()
+            self.guide_tables, *self._exec_args()
         )
         executable = lowered.compile()
         log.info("compiled step for %d tokens in %.1fs", bucket, time.perf_counter() - start)
@@ -290,6 +300,8 @@ class ModelRunner(PageCopies):
             self.exec_unit.warmup()
         if not self.warmed_up and self.cfg.penalty_slots:  # compiles the count loader (slot 0 is free now)
             self._load_penalties(0, self._penalty_ids([]), 0)
+        if not self.warmed_up and self.cfg.guided_grammars and not self.guide_slots.loaded:  # the grammar loader
+            self._install_guide(0, 0, 0, self._empty_guide_blocks())
         if self.spec is not None:
             self.spec.warmup()
         else:
@@ -337,7 +349,8 @@ class ModelRunner(PageCopies):
                 number: int) -> StepResult:
         inputs = to_devices(batch.packed(), self.replicated)
         prev_tokens = previous.tokens if previous is not None else self.no_tokens
-        outputs = executable(self.state, self.caches, self.penalty_counts, prev_tokens, inputs, *self._exec_args())
+        outputs = executable(self.state, self.caches, self.penalty_counts, prev_tokens, inputs, self.guide_tables,
+                             *self._exec_args())
         self.caches, self.penalty_counts, tokens, logprobs, *top = outputs[:6]
         prompt = tuple(outputs[6:9]) if (batch.prompt_targets >= 0).any() else None  # else zeros: not copied
         exec_report = None

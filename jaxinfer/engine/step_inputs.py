@@ -9,6 +9,7 @@ import functools
 import jax
 import numpy as np
 
+from jaxinfer.engine.guide_tables import GuideInputs
 from jaxinfer.engine.logit_bias import BiasInputs
 from jaxinfer.engine.penalties import PenaltyInputs
 from jaxinfer.engine.prompt_logprobs import PromptScoring
@@ -26,6 +27,7 @@ class StepInputs:
     logits_rows: jax.Array  # [S] int32: index in `tokens` of each row's last token
     sampling: SamplingInputs
     bias: BiasInputs
+    guide: GuideInputs
     penalties: PenaltyInputs
     top_logprobs: jax.Array  # [S] int32: how many alternatives the row wants (0: none)
     adapters: jax.Array  # [T] int32: each token's LoRA adapter slot (0: none)
@@ -52,6 +54,9 @@ class HostBatch:
     banned: np.ndarray
     bias_ids: np.ndarray
     bias_values: np.ndarray
+    guide_state: np.ndarray
+    guide_grammar: np.ndarray
+    guide_prev: np.ndarray
     penalty_slot: np.ndarray
     repetition_penalty: np.ndarray
     frequency_penalty: np.ndarray
@@ -76,7 +81,9 @@ class HostBatch:
         penalties = PenaltyInputs(self.penalty_slot, self.repetition_penalty, self.frequency_penalty,
                                   self.presence_penalty)
         return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling,
-                          BiasInputs(self.bias_ids, self.bias_values), penalties, self.top_logprobs, self.adapters,
+                          BiasInputs(self.bias_ids, self.bias_values),
+                          GuideInputs(self.guide_state, self.guide_grammar, self.guide_prev), penalties,
+                          self.top_logprobs, self.adapters,
                           PromptScoring(self.prompt_targets, self.prompt_alternatives))
 
     def packed(self) -> PackedInputs:

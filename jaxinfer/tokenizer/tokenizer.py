@@ -86,6 +86,11 @@ class Tokenizer:
         return self.eos_tokens[0] if self.eos_tokens else None
 
     @property
+    def backend(self) -> Backend:
+        """The tokenizers library's tokenizer (the trusted one: specials are specials), for reading the vocabulary."""
+        return self._trusted
+
+    @property
     def vocab_size(self) -> int:
         return self._trusted.get_vocab_size(with_added_tokens=True)
 

@@ -1,0 +1,103 @@
+"""Structured output on the device: compiled automata's tables, and the mask each step applies.
+
+The runner keeps `GuideTables`: `engine.guided_grammars` slots of per-token classes ([slots, vocab]
+int32), and one pool of `engine.guided_pool_states` automaton states shared by the loaded grammars
+([pool, guided_max_classes] next-state rows, absolute row numbers, -1 refused; [pool] accepting).
+A grammar occupies a contiguous run of rows while loaded; unused grammars are evicted, least
+recently used first, when a new one needs room (`GuideSlots`).
+
+Each step row of a constrained sequence names its grammar slot and the absolute row of the state
+the host knows (after the ids it has read back). If the row's newest token is still on the device
+(overlapped scheduling), `prev` points at it in the previous step's output and the step advances
+the state over it first: the mask for step N+1 needs nothing from the host, so overlap stays on.
+
+The mask comes after the logit bias and the penalties and before the sampler's filters (top-k,
+top-p, min-p then see only allowed tokens); EOS ids are allowed exactly in accepting states. The
+logprobs a request gets back stay the raw model's, as in vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxinfer.guided.automaton import REFUSED, TokenAutomaton
+
+MAX_EOS_IDS = 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GuideTables:
+    token_class: jax.Array  # [grammars, vocab] int32
+    class_next: jax.Array  # [pool, classes] int32: absolute next row, -1 refused
+    final: jax.Array  # [pool] bool
+    eos: jax.Array  # [MAX_EOS_IDS] int32 (-1: none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GuideInputs:
+    """Per-row, each [S] int32."""
+
+    state: jax.Array  # absolute pool row of the state the host knows (-1: the row is not constrained)
+    grammar: jax.Array  # the grammar's slot
+    prev: jax.Array  # index into the previous step's ids of a token to apply first (-1: none)
+
+
+def empty_tables(grammars: int, pool_states: int, classes: int, vocab: int, eos_ids: list[int]) -> GuideTables:
+    """Host arrays of tables with nothing loaded (1 x 1 stand-ins with guided output off)."""
+    if not grammars:
+        grammars = pool_states = classes = vocab = 1
+    eos = np.full(MAX_EOS_IDS, -1, np.int32)
+    eos[: len(eos_ids)] = sorted(eos_ids)[:MAX_EOS_IDS]
+    return GuideTables(np.zeros((grammars, vocab), np.int32), np.full((pool_states, classes), REFUSED, np.int32),
+                       np.zeros(pool_states, bool), eos)
+
+
+def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_tokens: jax.Array) -> jax.Array:
+    """logits [S, V] with each constrained row's refused tokens at -inf (other rows unchanged)."""
+    if tables.token_class.shape[1] != logits.shape[1]:  # guided output off: the tables are stand-ins
+        return logits
+
+    def masked() -> jax.Array:
+        vocab = logits.shape[1]
+        grammar = jnp.maximum(inputs.grammar, 0)
+        state = jnp.maximum(inputs.state, 0)
+        newest = prev_tokens[jnp.maximum(inputs.prev, 0)]
+        advanced = tables.class_next[state, tables.token_class[grammar, jnp.minimum(newest, vocab - 1)]]
+        state = jnp.maximum(jnp.where(inputs.prev >= 0, advanced, state), 0)
+        allowed = jnp.take_along_axis(tables.class_next[state], tables.token_class[grammar], axis=1) >= 0
+        eos_columns = jnp.where(tables.eos >= 0, tables.eos, vocab)  # out of range: dropped
+        allowed = allowed.at[:, eos_columns].set(tables.final[state][:, None], mode="drop")
+        allowed = allowed | (inputs.state < 0)[:, None]
+        return jnp.where(allowed, logits, -jnp.inf)
+
+    return lax.cond(jnp.any(inputs.state >= 0), masked, lambda: logits)
+
+
+def install(tables: GuideTables, slot: jax.Array, base: jax.Array, token_class: jax.Array, class_next: jax.Array,
+            final: jax.Array, count: jax.Array) -> GuideTables:
+    """The tables with a grammar written to `slot` and pool rows [base, base + count): `class_next` and
+    `final` are [guided_max_states, ...] blocks (rows past `count` are padding and not written), their
+    next states local (made absolute here)."""
+    local = jnp.arange(class_next.shape[0])
+    rows = jnp.where(local < count, base + local, tables.final.shape[0])  # out of range: dropped
+    absolute = jnp.where(class_next >= 0, class_next + base, REFUSED)
+    return GuideTables(tables.token_class.at[slot].set(token_class),
+                       tables.class_next.at[rows].set(absolute, mode="drop"),
+                       tables.final.at[rows].set(final, mode="drop"), tables.eos)
+
+
+def install_arrays(automaton: TokenAutomaton, max_states: int, classes: int) -> dict[str, np.ndarray]:
+    """An automaton as `install`'s fixed-shape blocks (one compile for every grammar)."""
+    n = automaton.num_states
+    class_next = np.full((max_states, classes), REFUSED, np.int32)
+    class_next[:n, : automaton.num_classes] = automaton.class_next
+    final = np.zeros(max_states, bool)
+    final[:n] = automaton.final
+    return {"token_class": automaton.token_class, "class_next": class_next, "final": final}

@@ -1,0 +1,214 @@
+"""Guided (structured) output: outputs that parse and validate, the device mask against
+outlines-core's own index, overlap, batching, preemption and prefix reuse, and refusals that name
+the field and the limit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import re
+
+import jax
+import jax.numpy as jnp
+import jsonschema
+import numpy as np
+import pytest
+from outlines_core import Index
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.guide_tables import GuideInputs, constrain
+from jaxinfer.engine.params import SamplingParams
+from jaxinfer.errors import RequestError
+from jaxinfer.guided.compiler import choice_regex, regex_of
+from jaxinfer.guided.spec import GuidedSpec, guided_spec
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0},
+                                           "city": {"enum": ["Paris", "Oslo", "Lima"]}},
+          "required": ["name", "age", "city"]}
+PHONE = r"\+?[0-9]{2}-[0-9]{3}-[0-9]{4}"
+CHOICES = ["positive", "negative", "neutral (unsure)"]
+PROMPTS = ["Describe a person as JSON.", "Write a phone number:", "Is this review good? 'Loved it!'",
+           "Tell me about Oslo.", "The weather today", "Reply with JSON about a teacher:"]
+
+
+def _constraints() -> list[dict]:
+    return [{"json_schema": PERSON}, {"regex": PHONE}, {"choice": CHOICES}]
+
+
+def _check(guided: dict, text: str) -> None:
+    """The output is exactly a value the constraint admits."""
+    if "json_schema" in guided:
+        jsonschema.validate(json.loads(text), guided["json_schema"])
+    elif "regex" in guided:
+        assert re.fullmatch(guided["regex"], text), text
+    elif "choice" in guided:
+        assert text in guided["choice"]
+    else:
+        assert isinstance(json.loads(text), dict)
+
+
+def _mixed_params(seed: int) -> list[SamplingParams]:
+    """Constrained rows (greedy and sampled) between unconstrained ones."""
+    params = []
+    for i, guided in enumerate(_constraints() * 2):
+        sampled = dict(temperature=1.0, seed=seed + i, top_p=0.95) if i >= 3 else dict(temperature=0.0)
+        params.append(SamplingParams(max_tokens=64, guided=guided, **sampled))
+        params.append(SamplingParams(max_tokens=12, temperature=0.7, seed=seed + 100 + i))
+    return params
+
+
+@pytest.mark.parametrize("seed", [0, 17])
+def test_outputs_parse_and_validate_beside_unconstrained_rows(smollm2_llm, seed):
+    params = _mixed_params(seed)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+    outputs = smollm2_llm.generate(prompts, params)
+    for p, out in zip(params, outputs, strict=True):
+        if p.guided is not None:
+            assert out.finish_reason == "stop", (out.text, out.finish_reason)
+            _check(p.guided.to_json(), out.text)
+    free = [i for i, p in enumerate(params) if p.guided is None]
+    alone = smollm2_llm.generate([prompts[i] for i in free], [params[i] for i in free])
+    assert [outputs[i].token_ids for i in free] == [o.token_ids for o in alone]
+
+
+def test_json_object_is_an_object_and_a_length_cut_says_length(smollm2_llm):
+    out = smollm2_llm.generate(PROMPTS[0], SamplingParams(max_tokens=96, temperature=0.0,
+                                                          guided={"json_object": True}))[0]
+    assert out.finish_reason == "stop"
+    _check({"json_object": True}, out.text)
+    cut = smollm2_llm.generate(PROMPTS[0], SamplingParams(max_tokens=5, temperature=0.0,
+                                                          guided={"json_schema": PERSON}))[0]
+    assert cut.finish_reason == "length" and len(cut.token_ids) == 5
+    assert cut.text.startswith('{"name"')  # a prefix of a valid value, and said to be one by "length"
+
+
+def test_device_mask_matches_outlines_index_on_random_walks(smollm2_llm):
+    """The tables on the device (token classes, pool rows, the in-flight id applied first) allow exactly
+    the ids outlines-core's index allows, EOS exactly in its final states."""
+    runner, compiler = smollm2_llm.runner, smollm2_llm.engine.guide_compiler()
+    eos = sorted(smollm2_llm.tokenizer.eos_ids)
+    mask = jax.jit(lambda tables, inputs, prev: constrain(jnp.zeros((1, runner.model_cfg.vocab_size)), tables,
+                                                          inputs, prev))
+    rng = random.Random(5)
+    for guided in [*_constraints(), {"regex": "(ab|a)*c?"}]:
+        spec = guided_spec(guided)
+        automaton = compiler.get(spec)
+        index = Index(regex_of(spec), compiler._outlines_vocabulary())
+        loaded = runner.load_guide(spec.key, automaton)
+        try:
+            state, outlines_state, newest = 0, index.get_initial_state(), -1
+            for _ in range(40):
+                prev = np.zeros(runner.cfg.max_seqs, np.int32)
+                prev[3] = max(newest, 0)
+                inputs = GuideInputs(*(np.array([v], np.int32) for v in (
+                    loaded.base + state, loaded.slot, 3 if newest >= 0 else -1)))
+                allowed = np.isfinite(np.asarray(mask(runner.guide_tables, inputs, prev))[0])
+                if newest >= 0:
+                    state = automaton.next_state(state, newest)
+                expected = set(index.get_allowed_tokens(outlines_state)) - set(eos)
+                assert set(np.flatnonzero(allowed)) - set(eos) == expected
+                assert all(allowed[e] == index.is_final_state(outlines_state) for e in eos)
+                if not expected:
+                    break
+                newest = rng.choice(sorted(expected))
+                outlines_state = index.get_next_state(outlines_state, newest)
+        finally:
+            runner.guide_slots.release(spec.key)
+
+
+def test_overlap_preemption_and_prefix_reuse_give_the_same_outputs(smollm2_llm):
+    """The host's state follows the ids it knows and the device applies the one in flight: outputs do
+    not depend on overlap, preemption (recomputed with the newest id in flight) or a prefix-cache hit."""
+    runner, tok, max_len = smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len
+    params = [SamplingParams(max_tokens=40, temperature=0.0, guided={"json_schema": PERSON}),
+              SamplingParams(max_tokens=40, temperature=0.9, seed=4, guided={"regex": PHONE}),
+              SamplingParams(max_tokens=40, temperature=0.0),
+              SamplingParams(max_tokens=40, temperature=1.0, seed=9, guided={"json_schema": PERSON})]
+    texts = [PROMPTS[0], PROMPTS[1], PROMPTS[4], "the cat sat on the mat and " * 12 + PROMPTS[5]]
+    requests = lambda: [smollm2_llm.request(t, p) for t, p in zip(texts, params, strict=True)]  # noqa: E731
+    serial = Engine(runner, tok, max_len, prefix_caching=False, async_scheduling=False)
+    alone = [serial.generate([request])[0].token_ids for request in requests()]
+    overlapped = [o.token_ids for o in Engine(runner, tok, max_len, prefix_caching=True).generate(requests())]
+    cached = Engine(runner, tok, max_len, prefix_caching=True).generate(requests())
+    engine = Engine(runner, tok, max_len)
+    victims, preempt = [], engine.scheduler._preempt
+    engine.scheduler._preempt = lambda seq: (victims.append((seq.guide is not None, seq.inflight)), preempt(seq))
+    with engine.pool.hold(keep_free=20):
+        preempted = engine.generate(requests())
+    assert (True, 1) in victims  # a constrained sequence was preempted with its newest id in flight
+    assert overlapped == alone and [o.token_ids for o in preempted] == alone
+    assert [o.token_ids for o in cached] == alone and sum(o.usage.cached_tokens for o in cached) > 0
+    assert runner.guide_slots.users == 0
+
+
+def test_abort_releases_the_grammar(smollm2_llm):
+    engine = smollm2_llm.engine
+    seq = engine.add_request(smollm2_llm.request(PROMPTS[0], SamplingParams(max_tokens=30, guided={"regex": PHONE})))
+    engine.step()
+    assert engine.runner.guide_slots.users == 1
+    engine.discard_inflight()
+    assert engine.abort(seq.index).finish_reason == "abort"
+    assert engine.runner.guide_slots.users == 0 and not engine.has_unfinished()
+
+
+def test_more_grammars_than_slots_wait_and_all_finish(smollm2_llm):
+    """Eleven distinct constraints on eight slots: the later ones wait for a slot, unused ones are evicted."""
+    choices = [[f"option {i}", f"other {i}"] for i in range(11)]
+    params = [SamplingParams(max_tokens=8, temperature=0.0, guided={"choice": c}) for c in choices]
+    outputs = smollm2_llm.generate(["Pick one:"] * len(params), params)
+    assert [o.text in c for o, c in zip(outputs, choices, strict=True)] == [True] * len(choices)
+    assert smollm2_llm.runner.guide_slots.users == 0
+
+
+@pytest.mark.parametrize(("guided", "message"), [
+    ({"regex": "(("}, "guided.regex: "),
+    ({"json_schema": {"type": "wat"}}, "guided.json_schema: Unsupported type: wat"),
+    ({"json_schema": "{not json"}, "guided.json_schema: not valid JSON"),
+    ({"grammar": "start: 'a'"}, "guided.grammar: context-free grammars need the host-side matcher"),
+    ({"regex": "a", "choice": ["a"]}, "guided: exactly one of"),
+    ({"choice": []}, "guided.choice: must be a non-empty list"),
+    ({"choice": ["a", ""]}, "guided.choice[1]: must be a non-empty string"),
+    ({"json_object": "yes"}, "guided.json_object: must be true"),
+    ({"regex": "a" * 70000}, "guided.regex: at most 65536 characters"),
+    ("regex", "guided: must be an object"),
+])
+def test_bad_constraints_are_refused_naming_the_field(smollm2_llm, guided, message):
+    with pytest.raises(RequestError) as error:
+        smollm2_llm.generate(PROMPTS[0], SamplingParams(guided=guided))
+    assert message in str(error.value)
+
+
+def test_limits_and_combinations_are_refused_and_the_batch_goes_on(smollm2_llm):
+    engine = smollm2_llm.engine
+    running = engine.add_request(smollm2_llm.request(PROMPTS[4], SamplingParams(max_tokens=6, temperature=0.0)))
+    compiler = engine.guide_compiler()
+    states, compiler.max_states = compiler.max_states, 20
+    try:
+        with pytest.raises(RequestError, match=r"guided.json_schema: its automaton has \d+ states, more than "
+                                               r"engine.guided_max_states = 20"):
+            engine.validate(smollm2_llm.request(PROMPTS[0], SamplingParams(guided={"json_schema": {
+                "type": "object", "properties": {"a_long_field_name": {"type": "integer"}}}})))
+    finally:
+        compiler.max_states = states
+    for extra, field in [({"min_tokens": 2}, "min_tokens"), ({"ignore_eos": True}, "ignore_eos")]:
+        with pytest.raises(RequestError, match=f"guided: not with .*{field}"):
+            engine.validate(smollm2_llm.request(PROMPTS[0], SamplingParams(guided={"regex": "a+"}, **extra)))
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [o.index for o in outputs] == [running.index] and outputs[0].finish_reason == "length"
+
+
+def test_spec_canonical_forms_and_choice_escaping():
+    one = guided_spec({"json_schema": {"b": 1, "a": {"type": "string"}}})
+    assert one == guided_spec({"json_schema": '{"b": 1, "a": {"type": "string"}}'})  # property order kept
+    assert one.key != guided_spec({"json_schema": {"a": {"type": "string"}, "b": 1}}).key
+    assert guided_spec({"choice": ["x"]}).to_json() == {"choice": ["x"]}
+    assert guided_spec({"json_object": True}) == GuidedSpec("json_object", "")
+    assert guided_spec(None) is None and guided_spec({"regex": None}) is None
+    pattern = choice_regex(["a.b", "(c)|d", "e+f*", "$1 ~ x"])
+    assert [bool(re.fullmatch(pattern, s)) for s in ["a.b", "(c)|d", "e+f*", "$1 ~ x", "axb", "c"]] == [True] * 4 + [
+        False] * 2
+    assert dataclasses.replace(SamplingParams(guided={"regex": "a"})).guided == GuidedSpec("regex", "a")
