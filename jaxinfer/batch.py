@@ -175,6 +175,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
         _load_adapters(llm, jobs, adapters)
     start, compiles_at_start = time.perf_counter(), XLA_COMPILES.mark()
     engine, job_of = llm.engine, {}
+    engine.prefetch_guided(job.params for job in jobs if job.error is None)
     for job in jobs:
         request = to_request(llm, job) if job.error is None else None
         if request is not None:

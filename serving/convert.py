@@ -8,6 +8,7 @@ import grpc
 
 from jaxinfer.engine.params import SamplingParams
 from jaxinfer.errors import JaxinferError, RequestError
+from jaxinfer.guided.spec import GuidedSpec
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 from serving.worker import Delta, QueueFull, WorkerDead
 
@@ -28,7 +29,25 @@ def sampling_params(proto: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(**values, stop=tuple(proto.stop), stop_token_ids=tuple(proto.stop_token_ids),
                           ignore_eos=proto.ignore_eos, logprobs=proto.logprobs, exec=proto.exec,
                           exec_files=tuple(proto.exec_files), exec_session=proto.exec_session,
-                          exec_trace=proto.exec_trace or "none", logit_bias=dict(proto.logit_bias))
+                          exec_trace=proto.exec_trace or "none", logit_bias=dict(proto.logit_bias),
+                          guided=guided_from_proto(proto.guided) if proto.HasField("guided") else None)
+
+
+def guided_from_proto(message: pb.GuidedDecoding) -> dict[str, Any]:
+    """GuidedDecoding -> the `guided` field's one-key form (SamplingParams checks it)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        raise RequestError("guided: set one of json_schema, json_object, regex, choice or grammar")
+    value = getattr(message, kind)
+    return {kind: list(value.values) if kind == "choice" else value}
+
+
+def guided_proto(spec: GuidedSpec | None) -> pb.GuidedDecoding | None:
+    if spec is None:
+        return None
+    if spec.kind == "choice":
+        return pb.GuidedDecoding(choice=pb.ChoiceList(values=spec.choices))
+    return pb.GuidedDecoding(**{spec.kind: True if spec.kind == "json_object" else spec.value})
 
 
 def top_logprobs_proto(tops: list[list[tuple[int, float]]]) -> list[pb.TopLogprobs]:
@@ -68,7 +87,8 @@ def sampling_proto(params: SamplingParams) -> pb.SamplingParams:
                              stop_token_ids=list(params.stop_token_ids), ignore_eos=params.ignore_eos,
                              logprobs=params.logprobs, exec=params.exec,
                              exec_files=list(params.exec_files), exec_session=params.exec_session,
-                             exec_trace=params.exec_trace, logit_bias=dict(params.logit_bias))
+                             exec_trace=params.exec_trace, logit_bias=dict(params.logit_bias),
+                             guided=guided_proto(params.guided))
 
 
 MAX_REQUEST_ID_CHARS = 256  # echoed in every streamed response and log line

@@ -71,9 +71,13 @@ class OpenAIFrontEnd:
                 param = exc.param if isinstance(exc, BodyError) else field_of(str(exc))
                 if param in ("prompt", "prompt_token_ids"):  # the engine's name for what the body sent
                     param = "messages" if request.url.path.endswith("chat/completions") else "prompt"
+                message = str(exc)
+                if param == "guided":  # the body's own field: response_format, guided or vLLM's guided_*
+                    param = getattr(request.state, "guided_field", None) or param
+                    message = message if param == "guided" else f"{param}: {message}"
                 if request.url.path.endswith("completions"):  # generation calls, as gRPC counts Generate's
                     self.service.count("invalid")
-                return failure(CallFailed(400, str(exc), param))
+                return failure(CallFailed(400, message, param))
         return guarded
 
     # -- admission ----------------------------------------------------------------------------
@@ -112,6 +116,7 @@ class OpenAIFrontEnd:
     async def chat_completions(self, request: HttpRequest) -> Response:
         tenant = self.admit(request)
         body: ChatCompletionBody = read_body(ChatCompletionBody, await json_body(request))
+        request.state.guided_field = body.guided_field
         params = body.sampling_params(default_max_tokens=1)
         messages = body.template_messages()
 
@@ -126,6 +131,7 @@ class OpenAIFrontEnd:
     async def completions(self, request: HttpRequest) -> Response:
         tenant = self.admit(request)
         body: CompletionBody = read_body(CompletionBody, await json_body(request))
+        request.state.guided_field = body.guided_field
         params = body.sampling_params()
         prompts = body.prompts()
 

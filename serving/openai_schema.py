@@ -4,10 +4,15 @@ The field names are those of the official `openai` package's create-params types
 with pydantic: a wrong type or an unknown field becomes `BodyError` naming the field's path (the
 `param` of OpenAI's error object). Ranges and limits are checked where the engine checks them, by
 `SamplingParams`, whose RequestError already names the field. OpenAI fields that change what is
-generated and that this engine does not do (tools, response_format, suffix, ...) are refused by
-name rather than ignored; a few bookkeeping fields (`store`, `metadata`, ...) are accepted and
+generated and that this engine does not do (tools, suffix, ...) are refused by name rather than
+ignored; a few bookkeeping fields (`store`, `metadata`, ...) are accepted and
 have no effect. jaxinfer's own settings (`top_k`, `min_p`, `exec`, ...) come as extra body fields,
 as the `openai` client sends them with `extra_body`.
+
+Structured output comes as OpenAI's `response_format` ({"type": "json_object"} or {"type":
+"json_schema", "json_schema": {"name", "schema", "strict"}}), as jaxinfer's `guided` (the batch
+line's form), or as vLLM's `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`;
+one of them per request (`guided_field` says which, so an error names what the body sent).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ MAX_CHOICES = 16  # `n`: every choice is a sequence in the running batch
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_LEGACY_LOGPROBS = 20  # the completions endpoint's integer `logprobs` (OpenAI allows 5; vLLM 20)
 # Fields OpenAI defines that would change the output and that this engine does not implement.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "response_format", "audio", "modalities",
+UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "audio", "modalities",
                "prediction", "web_search_options", "reasoning_effort", "verbosity")
+VLLM_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+               "guided_grammar": "grammar"}
 
 
 class BodyError(RequestError):
@@ -41,6 +48,28 @@ Number = StrictFloat | StrictInt
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: StrictStr = ""
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None  # the schema is always enforced whole
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def guided(self) -> dict[str, Any] | None:
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise BodyError("response_format.json_schema: required with type json_schema",
+                                "response_format.json_schema")
+            return {"json_schema": self.json_schema.json_schema}
+        return {"json_object": True} if self.type == "json_object" else None
 
 
 class _Body(BaseModel):
@@ -73,6 +102,28 @@ class _Body(BaseModel):
     exec_files: list[StrictStr] | None = None
     exec_session: StrictStr | None = None
     request_id: StrictStr | None = None
+    response_format: ResponseFormat | None = None
+    guided: dict[StrictStr, Any] | None = None
+    guided_json: dict[StrictStr, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+
+    @property
+    def guided_field(self) -> str | None:
+        """The one body field that asks for structured output (BodyError if several do)."""
+        given = [name for name in ("response_format", "guided", *VLLM_GUIDED) if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise BodyError(f"{given[1]}: give one of {', '.join(given)}, not several", given[1])
+        return given[0] if given else None
+
+    def guided_value(self) -> dict[str, Any] | None:
+        field = self.guided_field
+        if field == "response_format":
+            return self.response_format.guided()
+        if field in VLLM_GUIDED:
+            return {VLLM_GUIDED[field]: getattr(self, field)}
+        return self.guided
 
     def sampling(self, max_tokens: int | None, default_max_tokens: int, **more: Any) -> SamplingParams:
         """SamplingParams of this body (None values take the engine's defaults); `more`: endpoint fields."""
@@ -88,6 +139,7 @@ class _Body(BaseModel):
             values["exec_files"] = tuple(self.exec_files)
         if self.logit_bias:
             values["logit_bias"] = self.logit_bias
+        values["guided"] = self.guided_value()
         return SamplingParams(max_tokens=default_max_tokens if max_tokens is None else max_tokens, **values, **more)
 
     def check_choices(self) -> None:

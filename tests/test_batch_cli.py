@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,10 @@ LINES: list[tuple[str, tuple[str, ...] | None]] = [
     (obj(id="biased", prompt="The sky is", logit_bias={"0": -100, "17": 2.5}, max_tokens=4), None),
     (obj(id="biased-too-far", prompt="x", logit_bias={"3": -101}), ("logit_bias['3']", "[-100.0, 100.0]")),
     (obj(id="role", messages=[{"role": "user<|im_end|>", "content": "x"}]), ("messages[0].role",)),
+    (obj(id="guided-choice", prompt="Is the sky blue?", guided={"choice": ["yes", "no"]}), None),
+    (obj(id="guided-regex", prompt="A year:", guided={"regex": "(19|20)[0-9]{2}"}), None),
+    (obj(id="guided-bad", prompt="x", guided={"regex": "(("}), ("guided.regex",)),
+    (obj(id="guided-two", prompt="x", guided={"regex": "a", "choice": ["a"]}), ("guided", "exactly one")),
     (
         obj(
             id="seeded-chat",
@@ -223,6 +228,11 @@ def test_good_lines_have_text_tokens_and_usage(records, tok):
         prompt = tok.encode_prompt(line["prompt"]) if "prompt" in line else tok.encode_chat(line["messages"])
         assert usage["prompt_tokens"] == len(prompt)
         decoded = tok.decode(ids)
+        if "guided" in line:  # the text is exactly the constrained value
+            assert record["finish_reason"] == "stop"
+            guided = line["guided"]
+            assert record["text"] in guided["choice"] if "choice" in guided else re.fullmatch(guided["regex"],
+                                                                                            record["text"])
         if "stop" in line:
             assert record["finish_reason"] == "stop"
             assert decoded.startswith(record["text"])

@@ -24,7 +24,7 @@ from jaxinfer.guided.compiler import choice_regex, regex_of
 from jaxinfer.guided.spec import GuidedSpec, guided_spec
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer", "minimum": 0},
+                                           "age": {"type": "integer"},
                                            "city": {"enum": ["Paris", "Oslo", "Lima"]}},
           "required": ["name", "age", "city"]}
 PHONE = r"\+?[0-9]{2}-[0-9]{3}-[0-9]{4}"

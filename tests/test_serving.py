@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import filecmp
+import json
 import random
 import re
 import threading
@@ -91,6 +92,17 @@ def test_logit_bias_travels_with_the_request(smollm2_llm, client):
     assert text == want.text and last.usage.completion_tokens == len(want.token_ids)
 
 
+def test_guided_output_travels_with_the_request(smollm2_llm, client):
+    schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "year": {"type": "integer"}},
+              "required": ["city", "year"]}
+    for guided, proto in [({"json_schema": schema}, pb.GuidedDecoding(json_schema=json.dumps(schema))),
+                          ({"choice": ["yes", "no"]}, pb.GuidedDecoding(choice=pb.ChoiceList(values=["yes", "no"])))]:
+        want = smollm2_llm.generate(["A trip:"], SamplingParams(max_tokens=24, temperature=0.0, guided=guided))[0]
+        text, last = client.generate("A trip:", max_tokens=24, temperature=0.0, guided=proto)
+        assert text == want.text and last.finish_reason == pb.FINISH_REASON_STOP
+        assert set(json.loads(text)) == {"city", "year"} if "json_schema" in guided else text in ("yes", "no")
+
+
 def test_streamed_top_logprobs_come_with_their_tokens(smollm2_llm, client):
     prompt = "The capital of France is"
     want = smollm2_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, logprobs=True,
@@ -164,6 +176,8 @@ def test_stop_strings_are_never_streamed(smollm2_llm, client):
         (dict(text="hi", sampling=pb.SamplingParams(prompt_logprobs=21)), "prompt_logprobs: must be in"),
         (dict(text="hi", sampling=pb.SamplingParams(logit_bias={3: 101.0})), r"logit_bias[3]: must be in"),
         (dict(text="hi", sampling=pb.SamplingParams(logit_bias={10**9: 1.0})), "outside the vocabulary"),
+        (dict(text="hi", sampling=pb.SamplingParams(guided=pb.GuidedDecoding(regex="(("))), "guided.regex: "),
+        (dict(text="hi", sampling=pb.SamplingParams(guided=pb.GuidedDecoding())), "guided: set one of"),
         (dict(token_ids=pb.TokenIds(ids=[1, 10**9])), "prompt_token_ids"),
         (dict(parts=pb.PromptParts(parts=[pb.PromptPart(special="<|nope|>")])), "nope"),
         (dict(text="word " * 9000), "prompt"),

@@ -103,6 +103,26 @@ def test_speculation_is_off_per_request_and_pruned_by_confidence(smollm2_llm, tr
     assert pruned < unpruned
 
 
+def test_guided_rows_verify_drafts_against_the_automaton(smollm2_llm, truncated_draft):
+    """A proposal the automaton refuses is a rejected one: greedy output is the same as without the draft,
+    and sampled rows still parse."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "mood": {"enum": ["glad", "sad"]}}, "required": ["name", "mood"]}
+    greedy = [SamplingParams(max_tokens=40, temperature=0.0, guided={"json_schema": schema}),
+              SamplingParams(max_tokens=16, temperature=0.0, guided={"regex": "[0-9]{3}-[0-9]{4}"}),
+              SamplingParams(max_tokens=24, temperature=0.0)]
+    expected = [o.token_ids for o in smollm2_llm.generate_chat(CHATS[:3], greedy)]
+    proposed0, accepted0 = spec_stats(truncated_draft)
+    assert [o.token_ids for o in truncated_draft.generate_chat(CHATS[:3], greedy)] == expected
+    proposed, accepted = (a - b for a, b in zip(spec_stats(truncated_draft), (proposed0, accepted0), strict=True))
+    assert 0 < accepted < proposed
+    sampled = SamplingParams(max_tokens=40, temperature=1.0, seed=5, guided={"json_schema": schema})
+    for out in truncated_draft.generate_chat(CHATS[:3], sampled):
+        assert set(json.loads(out.text)) == {"name", "mood"}
+    assert truncated_draft.engine.pool.num_free == truncated_draft.engine.pool.capacity
+    assert truncated_draft.runner.guide_slots.users == 0
+
+
 def test_penalties_and_top_logprobs_are_refused_with_a_draft_model(truncated_draft):
     with pytest.raises(RequestError, match="repetition_penalty: not available with speculative decoding"):
         truncated_draft.generate_chat(CHATS[:1], SamplingParams(max_tokens=4, repetition_penalty=1.2))

@@ -7,6 +7,7 @@
     python tools/bench.py all                       # offline, shared-prefix and host (what `make bench` runs)
     python tools/bench.py gemm                      # XLA's GEMM rate on SmolLM2's MLP shapes (the compute ceiling)
     python tools/bench.py penalties                 # batch 32 with no, half and all rows penalized
+    python tools/bench.py guided                    # 32 JSON-schema requests vs the same unconstrained; schema compile
     python tools/bench.py scoring                   # 64 prompts scored (prompt_logprobs) vs unscored, vs HF forward
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
@@ -20,7 +21,7 @@ Prints one JSON line per measurement and the ratios to the peer. Prompts are ran
 do. Each jaxinfer measurement is preceded by a short run that touches every bucket it will use.
 
 This module is the command line and its dispatch; the benchmarks live by family in bench_throughput.py,
-bench_kv.py, bench_features.py and bench_compute.py (the peers' runs in bench_peers.py).
+bench_kv.py, bench_features.py, bench_guided.py and bench_compute.py (the peers' runs in bench_peers.py).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import shape_bench
 from bench_common import load_llm
 from bench_compute import bench_gemm, bench_sampler, bench_start
 from bench_features import bench_exec, bench_lora, bench_spec
+from bench_guided import bench_guided
 from bench_kv import bench_disagg, bench_shared_prefix, bench_tiers
 from bench_peers import REPO
 from bench_throughput import bench_host, bench_offline, bench_penalties, bench_scoring, bench_uniform
@@ -85,6 +87,7 @@ def main() -> None:
                                                  epilog=processor_bench.ISSUE_SCALE))
     workloads = {"offline": bench_offline, "shared-prefix": bench_shared_prefix, "host": bench_host,
                  "tiers": bench_tiers, "disagg": bench_disagg, "penalties": bench_penalties, "scoring": bench_scoring,
+                 "guided": bench_guided,
                  "all": bench_all}
     for name in workloads:
         w = sub.add_parser(name)

@@ -162,9 +162,7 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, GuidedRows, Promp
         self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
     ) -> list[RequestOutput]:
         """Runs the requests to completion; outputs in request order."""
-        for request in requests:  # the constraints compile side by side, off this thread
-            if request.params.guided is not None and self.cfg.guided_grammars:
-                self.guide_compiler().submit(request.params.guided)
+        self.prefetch_guided(request.params for request in requests)
         for request in requests:
             self.validate(request)
         sequences = [self._enqueue(r) for r in requests]  # all validated first: none queued if one is bad

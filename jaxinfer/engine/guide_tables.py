@@ -80,6 +80,27 @@ def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_
     return lax.cond(jnp.any(inputs.state >= 0), masked, lambda: logits)
 
 
+def constrain_path(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, drafts: jax.Array) -> jax.Array:
+    """Speculative verification: logits [S, K+1, V] at each proposed position, masked with the state after
+    the row's proposals before it (drafts [S, K]). A proposal the automaton refuses leaves the later
+    positions' states refused, hence unmasked; they are never used, since verification rejects there."""
+    if tables.token_class.shape[1] != logits.shape[-1]:
+        return logits
+    rows, width, vocab = logits.shape
+    grammar = jnp.maximum(inputs.grammar, 0)
+
+    def advance(state: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array]:
+        following = tables.class_next[jnp.maximum(state, 0), tables.token_class[grammar, token]]
+        following = jnp.where(state >= 0, following, REFUSED)
+        return following, following
+
+    _, later = lax.scan(advance, inputs.state, drafts.T)
+    states = jnp.concatenate([inputs.state[None], later]).T.reshape(-1)
+    at_positions = GuideInputs(states, jnp.repeat(inputs.grammar, width), jnp.full(rows * width, -1, jnp.int32))
+    flat = constrain(logits.reshape(rows * width, vocab), tables, at_positions, jnp.zeros(1, jnp.int32))
+    return flat.reshape(rows, width, vocab)
+
+
 def install(tables: GuideTables, slot: jax.Array, base: jax.Array, token_class: jax.Array, class_next: jax.Array,
             final: jax.Array, count: jax.Array) -> GuideTables:
     """The tables with a grammar written to `slot` and pool rows [base, base + count): `class_next` and

@@ -10,6 +10,7 @@ of their own: the state is always the walk over `output_ids`. The one id the hos
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from jaxinfer.engine.params import SamplingParams
@@ -21,7 +22,6 @@ from jaxinfer.guided.compiler import GuideCompiler
 
 if TYPE_CHECKING:
     from jaxinfer.config import EngineConfig
-    from jaxinfer.engine.speculator import Speculator
     from jaxinfer.engine.step import ModelRunner
     from jaxinfer.tokenizer import Tokenizer
 
@@ -32,7 +32,6 @@ class GuidedRows:
     runner: ModelRunner
     cfg: EngineConfig
     tokenizer: Tokenizer
-    speculator: Speculator | None
 
     def guide_compiler(self) -> GuideCompiler:
         """The runner's compiler (one per runner: engines on it share the cache), made on first use."""
@@ -44,14 +43,18 @@ class GuidedRows:
                                                        cfg.guided_max_classes)
         return self.runner.guide_compiler
 
+    def prefetch_guided(self, params: Iterable[SamplingParams]) -> None:
+        """Starts the compiles of these constraints side by side (validation then finds them compiled)."""
+        for p in params:
+            if p.guided is not None and self.cfg.guided_grammars:
+                self.guide_compiler().submit(p.guided)
+
     def _check_guided(self, params: SamplingParams) -> None:
         """RequestError for a constraint this engine cannot enforce; compiles it (cached) on this thread."""
         if params.guided is None:
             return
         if not self.cfg.guided_grammars:
             raise RequestError("guided: this engine has guided output off (engine.guided_grammars is 0)")
-        if self.speculator is not None:
-            raise RequestError("guided: not available with speculative decoding (engine.draft_model)")
         if params.exec:
             raise RequestError("guided: not with exec (a program's result tokens would not follow the constraint)")
         if params.min_tokens or params.ignore_eos:

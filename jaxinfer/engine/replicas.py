@@ -11,7 +11,7 @@ once it is dispatched, so the replicas' devices compute at the same time.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 
 from jaxinfer.engine.adapters import AdapterInfo, ReadAdapter
@@ -45,6 +45,8 @@ class ReplicaSet:
         self.cfg = engines[0].cfg
         self.runner = engines[0].runner  # the first replica's (for what every replica has alike)
         self.failed: set[int] = set()  # replicas whose step raised: taken out of routing for good
+        for engine in engines[1:]:  # one cache of compiled constraints for all (each loads its own device tables)
+            engine.runner.guide_compiler = engines[0].guide_compiler()
 
     # -- routing ----------------------------------------------------------------------------------
     def route(self, request: Request) -> Engine:
@@ -88,11 +90,15 @@ class ReplicaSet:
     def validate(self, request: Request) -> None:
         self.engines[0].validate(request)
 
+    def prefetch_guided(self, params: Iterable[SamplingParams]) -> None:
+        self.engines[0].prefetch_guided(params)
+
     def add_request(self, request: Request) -> Sequence:
         return self.route(request).add_request(request)
 
     def generate(self, requests: list[Request], on_finish: Callable[[RequestOutput], None] | None = None
                  ) -> list[RequestOutput]:
+        self.prefetch_guided(request.params for request in requests)
         for request in requests:
             self.validate(request)
         sequences = [self.route(request).add_request(request) for request in requests]

@@ -57,6 +57,7 @@ def verify(
     num_proposed: jax.Array,
     params: SamplingInputs,
     residual_rule: Callable[[jax.Array, jax.Array], jax.Array] = residual,
+    adjusted: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Accepts a prefix of each row's proposals and draws the next token.
 
@@ -64,7 +65,11 @@ def verify(
     draft_probs [S, K, V], draft_tokens [S, K], num_proposed [S] (<= K; 0: plain sampling).
     Returns (tokens [S, K+1]: the accepted proposals then the drawn token, count [S] of valid
     tokens, logprob of each token under the target's raw logits [S, K+1]).
+    `adjusted`: the logits the target's distributions come from where they differ from the raw ones
+    (a guided row's refused ids at -inf); the logprobs stay the raw model's.
     """
+    raw = logits
+    logits = raw if adjusted is None else adjusted
     rows, width, vocab = logits.shape
     proposals = width - 1
     at_position = dataclasses.replace(
@@ -89,12 +94,13 @@ def verify(
     leftover = jnp.where(total > 0, leftover / jnp.maximum(total, 1e-30), p_next)
     residual_keys = jax.vmap(_key, in_axes=(0, 0, None))(params.seed, params.step + num_accepted, RESIDUAL_SALT)
     drawn = jax.vmap(lambda key, dist: jax.random.categorical(key, jnp.log(dist)))(residual_keys, leftover)
-    bonus, _ = sample(logits[row, num_accepted], dataclasses.replace(params, step=params.step + num_accepted))
+    bonus, _ = sample(raw[row, num_accepted], dataclasses.replace(params, step=params.step + num_accepted),
+                      logits[row, num_accepted])
     rejected = num_accepted < num_proposed
     next_token = jnp.where(rejected, drawn.astype(jnp.int32), bonus)
 
     padded = jnp.pad(draft_tokens, ((0, 0), (0, 1)))
     tokens = jnp.where(jnp.arange(width)[None] < num_accepted[:, None], padded, 0)
     tokens = tokens.at[row, num_accepted].set(next_token)
-    logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], axis=-1)[..., 0]
+    logprobs = jnp.take_along_axis(jax.nn.log_softmax(raw, axis=-1), tokens[..., None], axis=-1)[..., 0]
     return tokens, num_accepted + 1, logprobs

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.guide_tables import GuideTables, constrain_path
 from jaxinfer.engine.spec import propose, verify
 from jaxinfer.engine.step import ModelRunner, keep_shardings
 from jaxinfer.engine.step_inputs import HostBatch, PackedInputs
@@ -86,7 +87,8 @@ def _scored_logits(model, hidden: jax.Array, logits_rows: jax.Array) -> jax.Arra
 
 
 def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_caches, draft_probs,
-                 packed: PackedInputs, spec: SpecInputs, *, cache_shardings, draft_cache_shardings):
+                 packed: PackedInputs, spec: SpecInputs, guides: GuideTables, *, cache_shardings,
+                 draft_cache_shardings):
     inputs = packed.unpack()
     model, draft = nnx.merge(graphdef, state), nnx.merge(draft_graphdef, draft_state)
     hidden, caches = model(inputs.tokens, caches, inputs.meta)
@@ -96,8 +98,10 @@ def _verify_step(graphdef, state, draft_graphdef, draft_state, caches, draft_cac
     rows = spec.logits_rows.shape[0]
     logits = _scored_logits(model, hidden, spec.logits_rows)
     probs = jnp.stack(draft_probs, axis=1)[:rows]
-    tokens, counts, logprobs = verify(logits, probs, spec.draft_tokens[:rows], spec.num_proposed[:rows],
-                                      inputs.sampling)
+    drafts = spec.draft_tokens[:rows]
+    guided = constrain_path(logits, guides, inputs.guide, drafts)  # a refused proposal is a rejected one
+    tokens, counts, logprobs = verify(logits, probs, drafts, spec.num_proposed[:rows], inputs.sampling,
+                                      adjusted=guided)
     return caches, draft_caches, tokens, counts, logprobs
 
 
@@ -150,7 +154,7 @@ class SpecRunner:
                             for a in self.empty_spec(bucket)))
         probs = tuple(self._no_probs for _ in range(self.k))
         return self._verify_jit.lower(t.graphdef, t.state, self.graphdef, self.state, t.caches, self.caches, probs,
-                                      t.abstract_inputs(bucket), spec).compile()
+                                      t.abstract_inputs(bucket), spec, t.guide_tables).compile()
 
     def propose_buckets(self) -> list[int]:
         """Buckets a propose call can use: one token per speculating row, at most max_seqs rows."""
@@ -198,5 +202,5 @@ class SpecRunner:
         spec_inputs = to_devices(SpecInputs(*spec), t.replicated)
         probs = tuple(p.probs for p in proposals) + (self._no_probs,) * (self.k - len(proposals))
         t.caches, self.caches, tokens, counts, logprobs = exe(t.state, self.state, t.caches, self.caches, probs,
-                                                              inputs, spec_inputs)
+                                                              inputs, spec_inputs, t.guide_tables)
         return VerifyResult(tokens, counts, logprobs)

@@ -52,8 +52,28 @@ class Messages(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
+class GuidedDecoding(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("values",)
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "num_draft_tokens", "exec", "exec_max_instructions", "exec_files", "exec_session", "exec_trace", "exec_timeout_seconds", "exec_memory_pages", "exec_max_trace_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "top_logprobs", "prompt_logprobs", "logit_bias")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos", "logprobs", "num_draft_tokens", "exec", "exec_max_instructions", "exec_files", "exec_session", "exec_trace", "exec_timeout_seconds", "exec_memory_pages", "exec_max_trace_tokens", "repetition_penalty", "frequency_penalty", "presence_penalty", "top_logprobs", "prompt_logprobs", "logit_bias", "guided")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +107,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    GUIDED_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -113,7 +134,8 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., exec: _Optional[bool] = ..., exec_max_instructions: _Optional[int] = ..., exec_files: _Optional[_Iterable[str]] = ..., exec_session: _Optional[str] = ..., exec_trace: _Optional[str] = ..., exec_timeout_seconds: _Optional[float] = ..., exec_memory_pages: _Optional[int] = ..., exec_max_trace_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    guided: GuidedDecoding
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., min_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ..., exec: _Optional[bool] = ..., exec_max_instructions: _Optional[int] = ..., exec_files: _Optional[_Iterable[str]] = ..., exec_session: _Optional[str] = ..., exec_trace: _Optional[str] = ..., exec_timeout_seconds: _Optional[float] = ..., exec_memory_pages: _Optional[int] = ..., exec_max_trace_tokens: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., guided: _Optional[_Union[GuidedDecoding, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "chat", "token_ids", "parts", "sampling", "request_id", "adapter")

@@ -1,0 +1,80 @@
+"""Guided output's cost: a batch of JSON-schema requests against the same batch unconstrained, and the
+compile time of a 50-field schema.
+
+    python tools/bench.py guided --batch-size 32 --out-len 64
+
+The unconstrained batch generates, row for row, exactly as many tokens as the constrained one did
+(EOS ignored, `min_tokens` = `max_tokens` = that row's length), so both runs have the same shape of
+work and the ratio of output tokens/s is the price of the mask alone (plus the host's share of
+filling the rows). Constrained first, unconstrained, constrained again: the machine's drift shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+from bench_common import emit, exact, fresh_engine, load_llm, random_prompts, step_summary, timed_generate
+
+RECORD = {"type": "object", "properties": {
+    "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 24},
+    "kind": {"enum": ["person", "place", "thing"]}, "score": {"type": "number"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}}, "active": {"type": "boolean"}},
+    "required": ["id", "name", "kind", "score", "tags", "active"]}
+
+
+def wide_schema(fields: int) -> dict:
+    """`fields` required fields of mixed kinds (integers, strings, enums, booleans, numbers)."""
+    kinds = [{"type": "integer"}, {"type": "string"}, {"enum": ["a", "b", "c"]}, {"type": "boolean"},
+             {"type": "number"}]
+    properties = {f"field_{i}": kinds[i % len(kinds)] for i in range(fields)}
+    return {"type": "object", "properties": properties, "required": list(properties)}
+
+
+def bench_guided(args: argparse.Namespace, llm=None) -> None:
+    from jaxinfer import SamplingParams
+    from jaxinfer.guided.compiler import GuideCompiler
+    from jaxinfer.guided.spec import guided_spec
+
+    llm = llm or load_llm(args)
+    engine = llm.engine
+    fresh = GuideCompiler(llm.tokenizer.backend, engine.guide_compiler()._eos_id, llm.model_config.vocab_size,
+                          llm.config.guided_max_states, llm.config.guided_max_classes)
+    fresh.get(guided_spec({"regex": "a"}))  # builds the outlines vocabulary once, outside the timing
+    for name, schema in [("record_6_fields", RECORD), ("wide_50_fields", wide_schema(50))]:
+        start = time.perf_counter()
+        automaton = fresh.get(guided_spec({"json_schema": schema}))
+        emit(dict(what="guided_compile", schema=name, seconds=round(time.perf_counter() - start, 3),
+                  states=automaton.num_states, classes=automaton.num_classes))
+    prompts = random_prompts(llm, [args.in_len] * args.batch_size, seed=11)
+    guided = SamplingParams(max_tokens=args.out_len, temperature=0.0, guided={"json_schema": RECORD})
+    fresh_engine(llm, prefix_caching=False).generate([llm.request(p, dataclasses.replace(guided, max_tokens=4))
+                                                      for p in prompts])
+    rates: dict[str, list[float]] = {}
+    lengths: list[int] = []
+    for constrained in (True, False, True):
+        engine = fresh_engine(llm, prefix_caching=False)
+        params = [guided] * len(prompts) if constrained else [exact(n) for n in lengths]
+        seconds, outputs = timed_generate(engine, [llm.request(p, q) for p, q in zip(prompts, params, strict=True)])
+        if constrained:
+            lengths = [len(o.token_ids) for o in outputs]
+            valid = sum(_parses(o.text) for o in outputs)
+        new = sum(len(o.token_ids) for o in outputs)
+        name = "json_schema" if constrained else "unconstrained"
+        rates.setdefault(name, []).append(new / seconds)
+        emit(dict(what="jaxinfer_guided", rows=name, batch=args.batch_size, in_len=args.in_len,
+                  new_tokens=new, tok_per_s=round(new / seconds, 1), **step_summary(engine),
+                  **({"valid_json": valid} if constrained else {})))
+    first, last = (rate / rates["unconstrained"][0] for rate in rates["json_schema"])
+    emit(dict(what="ratio", workload="guided", json_schema_over_unconstrained_first=round(first, 3),
+              json_schema_over_unconstrained_last=round(last, 3)))
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
