@@ -208,7 +208,9 @@ class EngineConfig:
     max_penalized_seqs: int = -1
     max_model_len: int = 0  # 0: the model's context length, capped at 8192
     # Structured output (docs/guided.md): compiled grammars resident on the device at once (0: guided off),
-    # states of one automaton at most, states all resident grammars share, token classes of one automaton.
+    # states of one automaton at most, states all resident grammars share, token classes of one automaton;
+    # rows with a host-matched grammar (Lark, GBNF) running at once, each a vocab-bit mask in every step.
+    guided_host_rows: int = 4
     guided_grammars: int = 8
     guided_max_states: int = 4096
     guided_pool_states: int = 16384
@@ -315,6 +317,8 @@ class EngineConfig:
                               f"{RAGGED_REFERENCE_MAX_LEN}, got {self.max_model_len or 'the model default'}")
 
     def _check_guided(self) -> None:
+        if not 0 <= self.guided_host_rows <= 256:
+            raise ConfigError(f"engine.guided_host_rows must be in [0, 256], got {self.guided_host_rows}")
         if not 0 <= self.guided_grammars <= 256:
             raise ConfigError(f"engine.guided_grammars must be in [0, 256], got {self.guided_grammars}")
         for name in ("guided_max_states", "guided_max_classes") if self.guided_grammars else ():

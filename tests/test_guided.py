@@ -4,7 +4,9 @@ the field and the limit."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import itertools
 import json
 import random
 import re
@@ -84,6 +86,67 @@ def test_json_object_is_an_object_and_a_length_cut_says_length(smollm2_llm):
     assert cut.text.startswith('{"name"')  # a prefix of a valid value, and said to be one by "length"
 
 
+ARITHMETIC = """start: expr
+expr: term (("+" | "-" | "*") term)*
+term: NUMBER | "(" expr ")"
+NUMBER: /[1-9][0-9]{0,3}/
+"""
+NESTED = 'root ::= "yes" | "no" | "(" root ")"'  # GBNF: balanced parentheses, which no finite automaton matches
+
+
+def _is_arithmetic(text: str) -> bool:
+    """Python's own parser as the independent check: only numbers, + - * and parentheses."""
+    tree = ast.parse(text, mode="eval")
+    kinds = (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult)
+    return all(isinstance(node, kinds) for node in ast.walk(tree)) and " " not in text
+
+
+def _is_nested(text: str) -> bool:
+    depth = len(text) - len(text.lstrip("("))
+    return text == "(" * depth + text[depth:-depth or None] + ")" * depth and text[depth:len(text) - depth] in (
+        "yes", "no")
+
+
+def test_host_matched_grammars_parse_beside_overlapped_rows(smollm2_llm):
+    """Lark and GBNF grammars: each output parses (Python's ast for arithmetic); a host-matched row waits
+    out the step that holds its newest id, while the unconstrained rows are in every step (they keep
+    overlapping) and are identical to a run without the grammar rows."""
+    free = SamplingParams(max_tokens=20, temperature=0.0)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, guided={"grammar": ARITHMETIC}), free,
+              SamplingParams(max_tokens=12, temperature=0.0, guided={"grammar": NESTED}),
+              SamplingParams(max_tokens=24, temperature=0.9, seed=3, guided={"grammar": ARITHMETIC}),
+              SamplingParams(max_tokens=20, temperature=0.8, seed=8)]
+    prompts = ["Compute: ", "The weather today", "Answer yes or no, in parentheses:", "An expression:",
+               "Once upon a time"]
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, prefix_caching=False)
+    steps_of: dict[int, list[int]] = {}
+    schedule = engine.scheduler.schedule
+
+    def recorded(*args, **kwargs):
+        chunks = schedule(*args, **kwargs)
+        for chunk in chunks:
+            steps_of.setdefault(chunk.seq.index, []).append(engine.stats.steps)
+        return chunks
+
+    engine.scheduler.schedule = recorded
+    outputs = engine.generate([smollm2_llm.request(t, p) for t, p in zip(prompts, params, strict=True)])
+    assert _is_arithmetic(outputs[0].text) and _is_nested(outputs[2].text), (outputs[0].text, outputs[2].text)
+    assert outputs[3].finish_reason == "length" or _is_arithmetic(outputs[3].text)
+    for i in (1, 4):  # unconstrained: in every step from the first to their last
+        steps = steps_of[outputs[i].index]
+        assert steps == list(range(steps[0], steps[0] + len(steps))) and len(steps) == 20
+    overlapped = steps_of[outputs[1].index][-1]  # until then another row's step was always in flight
+    for i in (0, 3):  # host-matched: never in two dispatched steps in a row while overlapping
+        steps = [step for step in steps_of[outputs[i].index] if step <= overlapped]
+        assert len(steps) > 5 and all(b - a == 2 for a, b in itertools.pairwise(steps))
+    alone = smollm2_llm.generate([prompts[i] for i in (1, 4)], [params[i] for i in (1, 4)])
+    assert [o.token_ids for o in alone] == [outputs[i].token_ids for i in (1, 4)]
+    serial = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len, async_scheduling=False)
+    again = serial.generate([smollm2_llm.request(t, p) for t, p in zip(prompts, params, strict=True)])
+    assert [o.token_ids for o in again] == [o.token_ids for o in outputs]
+    assert sorted(smollm2_llm.runner.free_mask_rows) == list(range(smollm2_llm.config.guided_host_rows))
+
+
 def test_device_mask_matches_outlines_index_on_random_walks(smollm2_llm):
     """The tables on the device (token classes, pool rows, the in-flight id applied first) allow exactly
     the ids outlines-core's index allows, EOS exactly in its final states."""
@@ -103,7 +166,8 @@ def test_device_mask_matches_outlines_index_on_random_walks(smollm2_llm):
                 prev = np.zeros(runner.cfg.max_seqs, np.int32)
                 prev[3] = max(newest, 0)
                 inputs = GuideInputs(*(np.array([v], np.int32) for v in (
-                    loaded.base + state, loaded.slot, 3 if newest >= 0 else -1)))
+                    loaded.base + state, loaded.slot, 3 if newest >= 0 else -1, -1)),
+                    np.zeros(runner.bitmask_shape, np.int32))
                 allowed = np.isfinite(np.asarray(mask(runner.guide_tables, inputs, prev))[0])
                 if newest >= 0:
                     state = automaton.next_state(state, newest)
@@ -125,8 +189,9 @@ def test_overlap_preemption_and_prefix_reuse_give_the_same_outputs(smollm2_llm):
     params = [SamplingParams(max_tokens=40, temperature=0.0, guided={"json_schema": PERSON}),
               SamplingParams(max_tokens=40, temperature=0.9, seed=4, guided={"regex": PHONE}),
               SamplingParams(max_tokens=40, temperature=0.0),
-              SamplingParams(max_tokens=40, temperature=1.0, seed=9, guided={"json_schema": PERSON})]
-    texts = [PROMPTS[0], PROMPTS[1], PROMPTS[4], "the cat sat on the mat and " * 12 + PROMPTS[5]]
+              SamplingParams(max_tokens=40, temperature=1.0, seed=9, guided={"json_schema": PERSON}),
+              SamplingParams(max_tokens=30, temperature=0.0, guided={"grammar": ARITHMETIC})]
+    texts = [PROMPTS[0], PROMPTS[1], PROMPTS[4], "the cat sat on the mat and " * 12 + PROMPTS[5], "Compute:"]
     requests = lambda: [smollm2_llm.request(t, p) for t, p in zip(texts, params, strict=True)]  # noqa: E731
     serial = Engine(runner, tok, max_len, prefix_caching=False, async_scheduling=False)
     alone = [serial.generate([request])[0].token_ids for request in requests()]
@@ -137,10 +202,25 @@ def test_overlap_preemption_and_prefix_reuse_give_the_same_outputs(smollm2_llm):
     engine.scheduler._preempt = lambda seq: (victims.append((seq.guide is not None, seq.inflight)), preempt(seq))
     with engine.pool.hold(keep_free=20):
         preempted = engine.generate(requests())
-    assert (True, 1) in victims  # a constrained sequence was preempted with its newest id in flight
+    assert (True, 1) in victims  # an automaton-constrained sequence was preempted with its newest id in flight
     assert overlapped == alone and [o.token_ids for o in preempted] == alone
     assert [o.token_ids for o in cached] == alone and sum(o.usage.cached_tokens for o in cached) > 0
-    assert runner.guide_slots.users == 0
+    assert runner.guide_slots.users == 0 and len(runner.free_mask_rows) == smollm2_llm.config.guided_host_rows
+
+
+def test_device_bitmask_unpacks_to_the_allowed_ids(smollm2_llm):
+    """A host row's packed mask (bit v of word v // 32) allows exactly its ids on the device; an automaton
+    row and an unconstrained row in the same batch are masked by their own rules."""
+    runner = smollm2_llm.runner
+    vocab = runner.model_cfg.vocab_size
+    rng = np.random.default_rng(3)
+    bitmask = rng.integers(-2**31, 2**31, runner.bitmask_shape, dtype=np.int64).astype(np.int32)
+    inputs = GuideInputs(np.array([-1, -1], np.int32), np.zeros(2, np.int32), np.array([-1, -1], np.int32),
+                         np.array([2, -1], np.int32), bitmask)
+    logits = jnp.zeros((2, vocab))
+    allowed = np.isfinite(np.asarray(jax.jit(constrain)(logits, runner.guide_tables, inputs, jnp.zeros(1, jnp.int32))))
+    expected = np.unpackbits(bitmask[2].view(np.uint8), bitorder="little")[:vocab].astype(bool)
+    assert (allowed[0] == expected).all() and allowed[1].all()
 
 
 def test_abort_releases_the_grammar(smollm2_llm):
@@ -166,7 +246,8 @@ def test_more_grammars_than_slots_wait_and_all_finish(smollm2_llm):
     ({"regex": "(("}, "guided.regex: "),
     ({"json_schema": {"type": "wat"}}, "guided.json_schema: Unsupported type: wat"),
     ({"json_schema": "{not json"}, "guided.json_schema: not valid JSON"),
-    ({"grammar": "start: 'a'"}, "guided.grammar: context-free grammars need the host-side matcher"),
+    ({"grammar": "start: ("}, "guided.grammar: 1(9): Expected token ')'"),
+    ({"grammar": "root ::= [a-"}, "guided.grammar: Failed to convert the grammar from GBNF to Lark"),
     ({"regex": "a", "choice": ["a"]}, "guided: exactly one of"),
     ({"choice": []}, "guided.choice: must be a non-empty list"),
     ({"choice": ["a", ""]}, "guided.choice[1]: must be a non-empty string"),

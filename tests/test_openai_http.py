@@ -255,6 +255,10 @@ def test_response_format_and_vllms_guided_fields_constrain_the_output(smollm2_ll
     picked = client.completions.create(model=MODEL, prompt="Sky colour:", max_tokens=8, temperature=0,
                                        extra_body={"guided_choice": ["blue", "green"]})
     assert picked.choices[0].text in ("blue", "green")
+    gbnf = 'root ::= "yes" | "no" | "(" root ")"'
+    nested = client.completions.create(model=MODEL, prompt="Yes or no, in parentheses:", max_tokens=12,
+                                       temperature=0, extra_body={"guided_grammar": gbnf})
+    assert nested.choices[0].text.strip("()") in ("yes", "no")
 
 
 @pytest.mark.parametrize("extra, param, message", [

@@ -95,12 +95,16 @@ def test_logit_bias_travels_with_the_request(smollm2_llm, client):
 def test_guided_output_travels_with_the_request(smollm2_llm, client):
     schema = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "year": {"type": "integer"}},
               "required": ["city", "year"]}
-    for guided, proto in [({"json_schema": schema}, pb.GuidedDecoding(json_schema=json.dumps(schema))),
-                          ({"choice": ["yes", "no"]}, pb.GuidedDecoding(choice=pb.ChoiceList(values=["yes", "no"])))]:
+    gbnf = 'root ::= "yes" | "no" | "(" root ")"'
+    cases = [({"json_schema": schema}, pb.GuidedDecoding(json_schema=json.dumps(schema)),
+              lambda text: set(json.loads(text)) == {"city", "year"}),
+             ({"choice": ["yes", "no"]}, pb.GuidedDecoding(choice=pb.ChoiceList(values=["yes", "no"])),
+              lambda text: text in ("yes", "no")),
+             ({"grammar": gbnf}, pb.GuidedDecoding(grammar=gbnf), lambda text: text.strip("()") in ("yes", "no"))]
+    for guided, proto, valid in cases:
         want = smollm2_llm.generate(["A trip:"], SamplingParams(max_tokens=24, temperature=0.0, guided=guided))[0]
         text, last = client.generate("A trip:", max_tokens=24, temperature=0.0, guided=proto)
-        assert text == want.text and last.finish_reason == pb.FINISH_REASON_STOP
-        assert set(json.loads(text)) == {"city", "year"} if "json_schema" in guided else text in ("yes", "no")
+        assert text == want.text and last.finish_reason == pb.FINISH_REASON_STOP and valid(text)
 
 
 def test_streamed_top_logprobs_come_with_their_tokens(smollm2_llm, client):

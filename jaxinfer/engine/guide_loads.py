@@ -16,6 +16,7 @@ from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.guide_slots import GuideSlots, LoadedGrammar
 from jaxinfer.engine.guide_tables import GuideTables, empty_tables, install, install_arrays
 from jaxinfer.guided.automaton import TokenAutomaton
+from jaxinfer.guided.host_matcher import bitmask_words
 from jaxinfer.parallel.transfer import to_devices
 
 
@@ -36,6 +37,10 @@ class GuideLoads:
         self.guide_slots = GuideSlots(cfg.guided_grammars, cfg.guided_pool_states)
         self.guide_compiler = None  # a GuideCompiler, made by the first engine (it has the tokenizer)
         self._install_guide_fn = jax.jit(install, donate_argnums=(0,), out_shardings=self.replicated)
+        self.grammar_matchers = None  # a GrammarMatchers (host-masked grammars), made by the first engine
+        self.free_mask_rows = list(range(cfg.guided_host_rows - 1, -1, -1))
+        # Each step carries [guided_host_rows, ceil(vocab / 32)] int32 of host-filled masks (1 x 1: none).
+        self.bitmask_shape = (cfg.guided_host_rows, bitmask_words(vocab)) if cfg.guided_host_rows else (1, 1)
 
     def set_guide_eos(self, eos_ids: list[int]) -> None:
         """The ids the guided mask allows in accepting states (the tokenizer's EOS)."""

@@ -44,9 +44,11 @@ class GuideTables:
 class GuideInputs:
     """Per-row, each [S] int32."""
 
-    state: jax.Array  # absolute pool row of the state the host knows (-1: the row is not constrained)
+    state: jax.Array  # absolute pool row of the state the host knows (-1: no automaton)
     grammar: jax.Array  # the grammar's slot
     prev: jax.Array  # index into the previous step's ids of a token to apply first (-1: none)
+    mask_row: jax.Array  # the row's host-filled bitmask in `bitmask` (-1: none; jaxinfer/guided/host_matcher.py)
+    bitmask: jax.Array  # [engine.guided_host_rows, ceil(vocab / 32)] int32: bit v of a row allows id v
 
 
 def empty_tables(grammars: int, pool_states: int, classes: int, vocab: int, eos_ids: list[int]) -> GuideTables:
@@ -60,11 +62,12 @@ def empty_tables(grammars: int, pool_states: int, classes: int, vocab: int, eos_
 
 
 def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_tokens: jax.Array) -> jax.Array:
-    """logits [S, V] with each constrained row's refused tokens at -inf (other rows unchanged)."""
+    """logits [S, V] with each constrained row's refused tokens at -inf (other rows unchanged): from the
+    automaton for rows with a state, from the host's bitmask for rows with a mask row."""
     if tables.token_class.shape[1] != logits.shape[1]:  # guided output off: the tables are stand-ins
         return logits
 
-    def masked() -> jax.Array:
+    def automaton() -> jax.Array:
         vocab = logits.shape[1]
         grammar = jnp.maximum(inputs.grammar, 0)
         state = jnp.maximum(inputs.state, 0)
@@ -74,10 +77,16 @@ def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_
         allowed = jnp.take_along_axis(tables.class_next[state], tables.token_class[grammar], axis=1) >= 0
         eos_columns = jnp.where(tables.eos >= 0, tables.eos, vocab)  # out of range: dropped
         allowed = allowed.at[:, eos_columns].set(tables.final[state][:, None], mode="drop")
-        allowed = allowed | (inputs.state < 0)[:, None]
-        return jnp.where(allowed, logits, -jnp.inf)
+        return jnp.where(allowed | (inputs.state < 0)[:, None], logits, -jnp.inf)
 
-    return lax.cond(jnp.any(inputs.state >= 0), masked, lambda: logits)
+    def host_masked(logits: jax.Array) -> jax.Array:
+        ids = jnp.arange(logits.shape[1])
+        words = inputs.bitmask[jnp.maximum(inputs.mask_row, 0)][:, ids // 32]
+        allowed = ((words >> (ids % 32)) & 1) == 1
+        return jnp.where(allowed | (inputs.mask_row < 0)[:, None], logits, -jnp.inf)
+
+    logits = lax.cond(jnp.any(inputs.state >= 0), automaton, lambda: logits)
+    return lax.cond(jnp.any(inputs.mask_row >= 0), host_masked, lambda x: x, logits)
 
 
 def constrain_path(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, drafts: jax.Array) -> jax.Array:
@@ -96,7 +105,8 @@ def constrain_path(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, 
 
     _, later = lax.scan(advance, inputs.state, drafts.T)
     states = jnp.concatenate([inputs.state[None], later]).T.reshape(-1)
-    at_positions = GuideInputs(states, jnp.repeat(inputs.grammar, width), jnp.full(rows * width, -1, jnp.int32))
+    none = jnp.full(rows * width, -1, jnp.int32)
+    at_positions = GuideInputs(states, jnp.repeat(inputs.grammar, width), none, none, inputs.bitmask)
     flat = constrain(logits.reshape(rows * width, vocab), tables, at_positions, jnp.zeros(1, jnp.int32))
     return flat.reshape(rows, width, vocab)
 

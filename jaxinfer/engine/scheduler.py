@@ -111,7 +111,8 @@ class Scheduler:
         preempted: set[Sequence] = set()  # a set: `in running` would walk the list for every sequence
         for seq in sorted(self.running, key=lambda s: s.arrival):
             count = min(seq.num_tokens - seq.num_computed, budget)
-            if seq in preempted or count == 0 or seq.paused or not seq.wants_token(self.max_model_len):
+            if (seq in preempted or count == 0 or seq.paused or seq.held_for_mask
+                    or not seq.wants_token(self.max_model_len)):
                 continue
             while not self._pages_for(seq, seq.num_computed + count):
                 victim = max(self.running, key=lambda s: s.arrival)

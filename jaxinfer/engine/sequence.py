@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from jaxinfer.engine.adapters import AdapterInfo
     from jaxinfer.engine.guide_slots import LoadedGrammar
     from jaxinfer.guided.automaton import TokenAutomaton
+    from jaxinfer.guided.host_matcher import HostMatcher
 
 
 def prefix_salt(request: Request, adapter: AdapterInfo | None) -> str:
@@ -63,6 +64,8 @@ class Sequence:
     guide: TokenAutomaton | None = None  # its guided constraint's automaton (engine/guided_rows.py)
     guide_state: int = 0  # the automaton's state after the output ids the host has read back
     guide_loaded: LoadedGrammar | None = None  # where the automaton is on the device, while it runs
+    matcher: HostMatcher | None = None  # a host-matched grammar's parser (jaxinfer/guided/host_matcher.py)
+    mask_row: int | None = None  # its row of the step's bitmask, while it runs
 
     @property
     def adapter_slot(self) -> int:
@@ -72,6 +75,11 @@ class Sequence:
     @property
     def cache_salt(self) -> str:
         return prefix_salt(self.request, self.adapter)
+
+    @property
+    def held_for_mask(self) -> bool:
+        """A host-matched row whose newest id is still on the device: its next mask needs that id first."""
+        return self.matcher is not None and self.inflight > 0
 
     @property
     def paused(self) -> bool:

@@ -266,6 +266,8 @@ class ModelRunner(PageCopies, GuideLoads):
             guide_state=np.full(rows, -1, np.int32),
             guide_grammar=np.zeros(rows, np.int32),
             guide_prev=np.full(rows, -1, np.int32),
+            guide_mask_row=np.full(rows, -1, np.int32),
+            guide_bitmask=np.zeros(self.bitmask_shape, np.int32),
             penalty_slot=np.full(rows, -1, np.int32),
             repetition_penalty=np.ones(rows, np.float32),
             frequency_penalty=np.zeros(rows, np.float32),

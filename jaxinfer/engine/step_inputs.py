@@ -57,6 +57,8 @@ class HostBatch:
     guide_state: np.ndarray
     guide_grammar: np.ndarray
     guide_prev: np.ndarray
+    guide_mask_row: np.ndarray
+    guide_bitmask: np.ndarray
     penalty_slot: np.ndarray
     repetition_penalty: np.ndarray
     frequency_penalty: np.ndarray
@@ -82,7 +84,8 @@ class HostBatch:
                                   self.presence_penalty)
         return StepInputs(self.tokens, self.from_prev, meta, self.logits_rows, sampling,
                           BiasInputs(self.bias_ids, self.bias_values),
-                          GuideInputs(self.guide_state, self.guide_grammar, self.guide_prev), penalties,
+                          GuideInputs(self.guide_state, self.guide_grammar, self.guide_prev, self.guide_mask_row,
+                                      self.guide_bitmask), penalties,
                           self.top_logprobs, self.adapters,
                           PromptScoring(self.prompt_targets, self.prompt_alternatives))
 

@@ -43,9 +43,8 @@ def regex_of(spec: GuidedSpec) -> str:
         return spec.value
     if spec.kind == "choice":
         return choice_regex(spec.choices)
-    if spec.kind == "grammar":
-        raise RequestError("guided.grammar: context-free grammars need the host-side matcher, which this engine "
-                           "does not have yet; use json_schema, json_object, regex or choice")
+    if spec.kind == "grammar":  # no finite automaton: matched on the host (host_matcher.py)
+        raise ValueError("guided.grammar has no token automaton")
     schema = spec.value if spec.kind == "json_schema" else JSON_OBJECT_SCHEMA
     try:
         return build_regex_from_schema(schema, whitespace_pattern=JSON_WHITESPACE)
