@@ -213,8 +213,9 @@ class EngineConfig:
     guided_host_rows: int = 4
     guided_grammars: int = 8
     guided_max_states: int = 4096
-    guided_pool_states: int = 16384
-    guided_max_classes: int = 256
+    guided_pool_states: int = 8192
+    guided_max_classes: int = 512
+    guided_max_pairs: int = 16_000_000  # an automaton's (state, token) pairs, bounded before it is built (memory)
     token_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     attention_backend: str = "auto"  # auto (by platform) | reference | pallas_gpu | pallas_tpu | ragged_reference
     attention_block_tokens: int = 128  # keys visited per attention loop iteration
@@ -321,6 +322,8 @@ class EngineConfig:
             raise ConfigError(f"engine.guided_host_rows must be in [0, 256], got {self.guided_host_rows}")
         if not 0 <= self.guided_grammars <= 256:
             raise ConfigError(f"engine.guided_grammars must be in [0, 256], got {self.guided_grammars}")
+        if self.guided_max_pairs <= 0:
+            raise ConfigError(f"engine.guided_max_pairs must be positive, got {self.guided_max_pairs}")
         for name in ("guided_max_states", "guided_max_classes") if self.guided_grammars else ():
             if not 1 <= getattr(self, name) <= self.guided_pool_states:
                 raise ConfigError(f"engine.{name} must be in [1, guided_pool_states = {self.guided_pool_states}], "

@@ -112,7 +112,8 @@ class _Body(BaseModel):
     @property
     def guided_field(self) -> str | None:
         """The one body field that asks for structured output (BodyError if several do)."""
-        given = [name for name in ("response_format", "guided", *VLLM_GUIDED) if getattr(self, name) is not None]
+        given = [name for name in ("response_format", "guided", *VLLM_GUIDED) if getattr(self, name) is not None
+                 and not (name == "response_format" and self.response_format.type == "text")]
         if len(given) > 1:
             raise BodyError(f"{given[1]}: give one of {', '.join(given)}, not several", given[1])
         return given[0] if given else None

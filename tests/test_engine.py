@@ -103,7 +103,7 @@ def test_the_step_traces_one_decoder_layer_and_calls_it_for_every_layer(smollm2_
     runner = smollm2_llm.runner
     bucket = smollm2_llm.config.token_buckets[-1]
     text = runner._jitted.lower(runner.graphdef, runner.state, runner.caches, runner.penalty_counts, runner.no_tokens,
-                                runner.abstract_inputs(bucket), *runner._exec_args()).as_text()
+                                runner.abstract_inputs(bucket), runner.guide_tables, *runner._exec_args()).as_text()
     assert len(re.findall(r"func\.func private @_run_layer\(", text)) == 1
     assert len(re.findall(r"call @_run_layer\(", text)) == smollm2_llm.model_config.num_layers
 

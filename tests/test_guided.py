@@ -19,11 +19,13 @@ import pytest
 from outlines_core import Index
 
 from jaxinfer.engine.engine import Engine
-from jaxinfer.engine.guide_tables import GuideInputs, constrain
+from jaxinfer.engine.guide_slots import GuideSlots
+from jaxinfer.engine.guide_tables import GuideInputs, constrain, empty_tables
 from jaxinfer.engine.params import SamplingParams
 from jaxinfer.errors import RequestError
 from jaxinfer.guided.compiler import choice_regex, regex_of
 from jaxinfer.guided.spec import GuidedSpec, guided_spec
+from jaxinfer.guided.vocabulary import token_bytes
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer"},
@@ -293,3 +295,65 @@ def test_spec_canonical_forms_and_choice_escaping():
     assert [bool(re.fullmatch(pattern, s)) for s in ["a.b", "(c)|d", "e+f*", "$1 ~ x", "axb", "c"]] == [True] * 4 + [
         False] * 2
     assert dataclasses.replace(SamplingParams(guided={"regex": "a"})).guided == GuidedSpec("regex", "a")
+
+
+def test_grammar_slots_never_overlap_and_count_their_users():
+    """Random claims and releases: placed grammars never share a slot or a pool row, stay inside the
+    pool, and a grammar in use is never evicted."""
+    rng = random.Random(1)
+    for _ in range(500):
+        slots = GuideSlots(rng.randint(1, 4), rng.randint(5, 60))
+        held: list[str] = []
+        for _ in range(30):
+            if held and rng.random() < 0.4:
+                slots.release(held.pop(rng.randrange(len(held))))
+            else:
+                key = f"grammar {rng.randint(0, 12)}"
+                if slots.use(key) or slots.place(key, rng.randint(1, 20)):
+                    held.append(key)
+            spans = sorted((g.base, g.base + g.states) for g in slots.loaded.values())
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans)) and all(e <= 60 for _, e in spans)
+            assert len({g.slot for g in slots.loaded.values()}) == len(slots.loaded) <= slots.grammars
+            assert all(g.users == held.count(key) for key, g in slots.loaded.items())
+            assert set(held) <= set(slots.loaded)
+
+
+def test_a_pattern_too_big_to_build_is_refused_before_it_is_built(smollm2_llm):
+    with pytest.raises(RequestError, match=r"guided.regex: its automaton could hold [\d,]+ \(state, token\) pairs, "
+                                           r"more than engine.guided_max_pairs = 16,000,000"):
+        smollm2_llm.engine.validate(smollm2_llm.request("x", SamplingParams(guided={"regex": "[a-z]{4000}"})))
+
+
+def test_handed_over_ids_must_follow_the_constraint(smollm2_llm):
+    request = smollm2_llm.request("x", SamplingParams(guided={"regex": "[0-9]+"}))
+    request.generated_ids = smollm2_llm.tokenizer.encode_plain("12a")
+    with pytest.raises(RequestError, match=r"generated_ids: .* not accepted by guided\.regex"):
+        smollm2_llm.engine.validate(request)
+    request = smollm2_llm.request("x", SamplingParams(guided={"grammar": NESTED}))
+    request.generated_ids = smollm2_llm.tokenizer.encode_plain("(x")
+    with pytest.raises(RequestError, match=r"guided\.grammar: the output so far"):
+        smollm2_llm.engine.validate(request)
+
+
+def test_host_masks_apply_with_the_automata_off():
+    """engine.guided_grammars 0 leaves the automaton tables 1 x 1 stand-ins; a host row is still masked."""
+    vocab = 70
+    tables = jax.tree.map(jnp.asarray, empty_tables(0, 0, 0, 0, [2]))
+    bitmask = np.zeros((2, 3), np.int32)
+    bitmask[1, 0], bitmask[1, 2] = 1 << 5, 1 << 1  # ids 5 and 65
+    inputs = GuideInputs(np.full(2, -1, np.int32), np.zeros(2, np.int32), np.full(2, -1, np.int32),
+                         np.array([1, -1], np.int32), bitmask)
+    masked = jax.jit(constrain)(jnp.zeros((2, vocab)), tables, inputs, jnp.zeros(1, jnp.int32))
+    allowed = np.isfinite(np.asarray(masked))
+    assert list(np.flatnonzero(allowed[0])) == [5, 65] and allowed[1].all()
+
+
+def test_token_bytes_for_byte_level_and_sentencepiece_vocabularies(smollm2_llm):
+    from tokenizers import Tokenizer, decoders, models
+
+    smollm2 = token_bytes(smollm2_llm.tokenizer.backend)
+    assert smollm2[smollm2_llm.tokenizer.token_id("Ġhello")] == b" hello"
+    assert smollm2_llm.tokenizer.eos_ids.isdisjoint(smollm2)  # specials are left out
+    piece = Tokenizer(models.WordLevel({"▁1": 0, "<0xE2>": 1, "ab": 2, "<unk>": 3}, unk_token="<unk>"))
+    piece.decoder = decoders.Metaspace()
+    assert token_bytes(piece) == {0: b" 1", 1: b"\xe2", 2: b"ab", 3: b"<unk>"}

@@ -65,7 +65,7 @@ class RequestAdmission:
     def validate(self, request: Request) -> None:
         """Raises RequestError naming the field and the limit for a request the engine cannot run."""
         self._check_prompt(request.prompt_ids, request.params)
-        self._check_guided(request.params)
+        self._check_guided(request)
         self._check_handoff(request)
         self._check_files(request)
         self._adapter_of(request)

@@ -55,9 +55,13 @@ class GuideLoads:
         loaded = self.guide_slots.place(key, automaton.num_states)
         if loaded is not None:
             arrays = install_arrays(automaton, self.cfg.guided_max_states, self.cfg.guided_max_classes)
-            self._replicated(lambda: self._install_guide(loaded.slot, loaded.base, loaded.states, arrays),
-                             "load_guide", {"slot": loaded.slot, "base": loaded.base, "states": loaded.states},
-                             arrays)
+            try:
+                self._replicated(lambda: self._install_guide(loaded.slot, loaded.base, loaded.states, arrays),
+                                 "load_guide", {"slot": loaded.slot, "base": loaded.base, "states": loaded.states},
+                                 arrays)
+            except BaseException:
+                self.guide_slots.forget(key)
+                raise
         return loaded
 
     def _empty_guide_blocks(self) -> dict[str, np.ndarray]:

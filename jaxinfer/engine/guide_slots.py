@@ -48,23 +48,27 @@ class GuideSlots:
 
     def place(self, key: str, states: int) -> LoadedGrammar | None:
         """Room for a new grammar of `states` states (evicting unused ones as needed), recorded with one
-        user; the caller writes it to the device there. None while the room is held by users."""
-        while True:
-            spot = self._free_spot(states)
-            if spot is not None:
-                grammar = self.loaded[key] = LoadedGrammar(*spot, states, 1, next(self._clock))
-                return grammar
+        user; the caller writes it to the device there. None while the room is held by users (then
+        nothing is evicted)."""
+        if self._free_spot(states, [g for g in self.loaded.values() if g.users]) is None:
+            return None
+        while (spot := self._free_spot(states, list(self.loaded.values()))) is None:
             idle = [k for k, g in self.loaded.items() if g.users == 0]
-            if not idle:
-                return None
             del self.loaded[min(idle, key=lambda k: self.loaded[k].last_use)]
+        grammar = self.loaded[key] = LoadedGrammar(*spot, states, 1, next(self._clock))
+        return grammar
 
-    def _free_spot(self, states: int) -> tuple[int, int] | None:
-        slots = set(range(self.grammars)) - {g.slot for g in self.loaded.values()}
+    def forget(self, key: str) -> None:
+        """Drops a grammar whose write to the device failed."""
+        self.loaded.pop(key, None)
+
+    def _free_spot(self, states: int, kept: list[LoadedGrammar]) -> tuple[int, int] | None:
+        """(slot, base) for a grammar of `states` states beside `kept`: the first gap that fits."""
+        slots = set(range(self.grammars)) - {g.slot for g in kept}
         if not slots:
             return None
         start = 0
-        for grammar in sorted(self.loaded.values(), key=lambda g: g.base):
+        for grammar in sorted(kept, key=lambda g: g.base):
             if grammar.base - start >= states:
                 break
             start = grammar.base + grammar.states

@@ -64,8 +64,6 @@ def empty_tables(grammars: int, pool_states: int, classes: int, vocab: int, eos_
 def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_tokens: jax.Array) -> jax.Array:
     """logits [S, V] with each constrained row's refused tokens at -inf (other rows unchanged): from the
     automaton for rows with a state, from the host's bitmask for rows with a mask row."""
-    if tables.token_class.shape[1] != logits.shape[1]:  # guided output off: the tables are stand-ins
-        return logits
 
     def automaton() -> jax.Array:
         vocab = logits.shape[1]
@@ -85,7 +83,10 @@ def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_
         allowed = ((words >> (ids % 32)) & 1) == 1
         return jnp.where(allowed | (inputs.mask_row < 0)[:, None], logits, -jnp.inf)
 
-    logits = lax.cond(jnp.any(inputs.state >= 0), automaton, lambda: logits)
+    if tables.token_class.shape[1] == logits.shape[1]:  # else automata are off (engine.guided_grammars 0)
+        logits = lax.cond(jnp.any(inputs.state >= 0), automaton, lambda: logits)
+    if inputs.bitmask.shape[1] * 32 < logits.shape[1]:  # host-matched grammars off: a 1 x 1 stand-in
+        return logits
     return lax.cond(jnp.any(inputs.mask_row >= 0), host_masked, lambda x: x, logits)
 
 

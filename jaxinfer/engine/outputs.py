@@ -52,7 +52,9 @@ class OutputAssembly:
         seq.output_ids.append(token)
         seq.logprobs.append(logprob)
         delta = seq.detokenizer.push(token) if seq.detokenizer else ""
-        self._advance_guide(seq, token)
+        if not self._advance_guide(seq, token):
+            seq.finish_reason = "abort"
+            return
         generated = len(seq.output_ids)
         if generated >= p.min_tokens:
             if (token in self.tokenizer.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:

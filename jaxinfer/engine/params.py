@@ -206,6 +206,9 @@ class Request:
     # decode worker reads its stored pages instead of computing the prompt again to score it.
     scored_prompt_logprobs: list[float | None] | None = None
     scored_prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The `guided` constraint as validation compiled it (a TokenAutomaton, or a grammar for the host
+    # matcher): kept here so the engine thread never compiles it again (engine/guided_rows.py).
+    compiled_guide: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass

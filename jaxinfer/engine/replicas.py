@@ -47,6 +47,7 @@ class ReplicaSet:
         self.failed: set[int] = set()  # replicas whose step raised: taken out of routing for good
         for engine in engines[1:]:  # one cache of compiled constraints for all (each loads its own device tables)
             engine.runner.guide_compiler = engines[0].guide_compiler()
+            engine.runner.grammar_matchers = engines[0].grammar_matchers()
 
     # -- routing ----------------------------------------------------------------------------------
     def route(self, request: Request) -> Engine:

@@ -11,6 +11,7 @@ automaton to put on the device): docs/design/structured-output.md.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,6 +38,15 @@ def choice_regex(choices: list[str]) -> str:
     return "(" + "|".join("".join("\\" + c if c in _REGEX_SPECIAL else c for c in choice) for choice in choices) + ")"
 
 
+_BYTE_EOS = 256
+
+
+@functools.cache
+def _byte_vocabulary() -> Vocabulary:
+    """One token per byte: the automaton over it has exactly the DFA's states."""
+    return Vocabulary(_BYTE_EOS, {bytes([b]): [b] for b in range(256)})
+
+
 def regex_of(spec: GuidedSpec) -> str:
     """The regular expression a spec compiles through; RequestError for kinds with no finite automaton."""
     if spec.kind == "regex":
@@ -56,12 +66,15 @@ class GuideCompiler:
     """Spec -> TokenAutomaton for one tokenizer, within the engine's limits."""
 
     def __init__(self, backend: Backend, eos_id: int, vocab_size: int, max_states: int, max_classes: int,
-                 cache_size: int = 64, workers: int = 2):
+                 max_pairs: int, cache_size: int = 64, workers: int = 2):
         self.vocab_size, self.max_states, self.max_classes = vocab_size, max_states, max_classes
+        self.max_pairs = max_pairs
         self._backend, self._eos_id, self._cache_size = backend, eos_id, cache_size
         self._vocabulary: Vocabulary | None = None
         self._allowed_ids = np.zeros(vocab_size, bool)
-        self._lock = threading.Lock()
+        self._first_bytes = np.zeros(256, np.int64)  # tokens per first byte
+        self._lock = threading.Lock()  # the cache's
+        self._vocabulary_lock = threading.Lock()  # building it takes about a second: not under the cache's
         self._cache: OrderedDict[str, Future[TokenAutomaton]] = OrderedDict()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="guided-compile")
 
@@ -85,16 +98,16 @@ class GuideCompiler:
 
     def _compile(self, spec: GuidedSpec) -> TokenAutomaton:
         pattern = regex_of(spec)
+        if spec.kind != "json_object":  # the engine's own schema fits (1,623 states, 13.3M pairs at most; its
+            # byte-level automaton alone takes 9 s to build, so it is not checked again each compile)
+            self._check_size(spec, pattern)
         try:
             index = Index(pattern, self._outlines_vocabulary())
-        except Exception as error:  # outlines-core raises ValueError (bad pattern) or a panic's exception
-            raise RequestError(f"guided.{spec.kind}: {error}") from None
-        transitions = index.get_transitions()
-        states = len(transitions.keys() | set(index.get_final_states()))
-        if states > self.max_states:
-            raise RequestError(f"guided.{spec.kind}: its automaton has {states} states, more than "
-                               f"engine.guided_max_states = {self.max_states}")
-        automaton = from_transitions(transitions, index.get_initial_state(), set(index.get_final_states()),
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:  # ValueError for a bad pattern; a Rust panic is pyo3's PanicException,
+            raise RequestError(f"guided.{spec.kind}: {error}") from None  # which is not an Exception
+        automaton = from_transitions(index.get_transitions(), index.get_initial_state(), set(index.get_final_states()),
                                      self.vocab_size, self._allowed_ids)
         if automaton.num_states > self.max_states:
             raise RequestError(f"guided.{spec.kind}: its automaton has {automaton.num_states} states, more than "
@@ -106,13 +119,36 @@ class GuideCompiler:
             raise RequestError(f"guided.{spec.kind}: no output of this vocabulary's tokens can match it")
         return automaton
 
+    def _check_size(self, spec: GuidedSpec, pattern: str) -> None:
+        """Refuses, before the full compile, an automaton too big to build: its states (exact: the same
+        DFA over single bytes, which every token-level state is one of) and an upper bound of its
+        (state, token) pairs (per state, the tokens whose first byte it allows). Without this a pattern
+        such as `[a-z]{4000}` would build tens of millions of pairs, gigabytes, before any check."""
+        try:
+            index = Index(pattern, _byte_vocabulary())
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as error:
+            raise RequestError(f"guided.{spec.kind}: {error}") from None
+        transitions = index.get_transitions()
+        states = len(transitions.keys() | set(index.get_final_states()))
+        if states > self.max_states:
+            raise RequestError(f"guided.{spec.kind}: its automaton has {states} states, more than "
+                               f"engine.guided_max_states = {self.max_states}")
+        self._outlines_vocabulary()
+        bound = sum(int(self._first_bytes[list(row.keys() - {_BYTE_EOS})].sum()) for row in transitions.values())
+        if bound > self.max_pairs:
+            raise RequestError(f"guided.{spec.kind}: its automaton could hold {bound:,} (state, token) pairs, more "
+                               f"than engine.guided_max_pairs = {self.max_pairs:,}")
+
     def _outlines_vocabulary(self) -> Vocabulary:
-        with self._lock:
+        with self._vocabulary_lock:
             if self._vocabulary is None:
                 tokens: dict[bytes, list[int]] = {}
                 for token, text in token_bytes(self._backend).items():
                     if token != self._eos_id and token < self.vocab_size and text:
                         tokens.setdefault(text, []).append(token)
                 self._allowed_ids[[t for ids in tokens.values() for t in ids]] = True
+                self._first_bytes = np.bincount([text[0] for text, ids in tokens.items() for _ in ids], minlength=256)
                 self._vocabulary = Vocabulary(self._eos_id, tokens)
             return self._vocabulary

@@ -2,8 +2,8 @@
 
 The five kinds are those of vLLM's guided decoding: `json_schema` (a JSON Schema object),
 `json_object` (any JSON object), `regex`, `choice` (a list of strings) and `grammar`. The canonical
-value (a schema's JSON with sorted keys, a choice list's JSON) is what the compiled-automaton cache
-is keyed by, so the same constraint written twice compiles once.
+value (a schema's compact JSON, keys in their order, which is the output's property order; a choice
+list's JSON) is what the compiled-automaton cache is keyed by, so the same constraint compiles once.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The bytes each token id stands for, as outlines-core's `Vocabulary` needs them.
 
 Byte-level BPE vocabularies (Llama 3, SmolLM2, Qwen: every family the engine loads) write each byte
-as one printable character (GPT-2's table: "Ġ" is the space); this undoes that table. Any other
-decoder gets each token's own decoded text, which is right for tokens that decode alone. Special
-(added) tokens are left out: a constrained output never contains one, and EOS is allowed by the
+as one printable character (GPT-2's table: "Ġ" is the space); this undoes that table. Other
+vocabularies are read as SentencePiece writes them: "▁" is the space and "<0xNN>" the byte NN
+(byte fallback). Special (added) tokens are left out: a constrained output never contains one, and EOS is allowed by the
 automaton's accepting states instead (engine/guide_tables.py).
 """
 
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 
 from tokenizers import Tokenizer as Backend
+
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte fallback
 
 
 @functools.cache
@@ -39,4 +42,10 @@ def token_bytes(backend: Backend) -> dict[int, bytes]:
     if _byte_level(backend):
         table = _byte_of_char()
         return {i: bytes(table[c] for c in text) for text, i in vocab.items() if all(c in table for c in text)}
-    return {i: backend.decode([i], skip_special_tokens=False).encode() for i in vocab.values()}
+    return {i: _sentencepiece_bytes(text) for text, i in vocab.items()}
+
+
+def _sentencepiece_bytes(text: str) -> bytes:
+    if BYTE_TOKEN.fullmatch(text):
+        return bytes([int(text[3:5], 16)])
+    return text.replace("▁", " ").encode()
