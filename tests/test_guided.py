@@ -357,3 +357,19 @@ def test_token_bytes_for_byte_level_and_sentencepiece_vocabularies(smollm2_llm):
     piece = Tokenizer(models.WordLevel({"▁1": 0, "<0xE2>": 1, "ab": 2, "<unk>": 3}, unk_token="<unk>"))
     piece.decoder = decoders.Metaspace()
     assert token_bytes(piece) == {0: b" 1", 1: b"\xe2", 2: b"ab", 3: b"<unk>"}
+
+
+def test_an_id_the_constraint_refuses_ends_only_its_request(smollm2_llm):
+    """The host's automaton made to disagree with the device's (as an engine bug would): that request
+    ends with abort, the one beside it runs to its end, and nothing stays claimed."""
+    engine = Engine(smollm2_llm.runner, smollm2_llm.tokenizer, smollm2_llm.max_model_len)
+    broken = engine.add_request(smollm2_llm.request("A number:", SamplingParams(max_tokens=8, temperature=0.0,
+                                                                                 guided={"regex": "[0-9]+"})))
+    other = engine.add_request(smollm2_llm.request("Hello", SamplingParams(max_tokens=8, temperature=0.0)))
+    outputs = {o.index: o for o in engine.step()}  # admitted: the digits' automaton is on the device
+    broken.guide = engine.guide_compiler().get(guided_spec({"regex": "[a-z]+"}))  # and letters on the host
+    while engine.has_unfinished():
+        outputs.update((o.index, o) for o in engine.step())
+    assert outputs[broken.index].finish_reason == "abort" and len(outputs[broken.index].token_ids) == 1
+    assert outputs[other.index].finish_reason == "length" and len(outputs[other.index].token_ids) == 8
+    assert engine.runner.guide_slots.users == 0 and engine.pool.num_free == engine.pool.capacity
