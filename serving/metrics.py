@@ -44,6 +44,10 @@ class EngineCollector(Collector):
             "jaxinfer_preemptions": ("sequences preempted for KV pages", m["preemptions"]),
             "jaxinfer_forged_tokens_downgraded": ("control tokens typed as text", m["forged_tokens_downgraded"]),
             "jaxinfer_engine_steps": ("engine steps run", m["steps"]),
+            "jaxinfer_guided_requests": ("requests started with a guided (structured output) constraint",
+                                         m["guided_requests"]),
+            "jaxinfer_guided_refused_ids": ("sampled ids a guided constraint refused (each ended its request)",
+                                            m["guided_refused_ids"]),
             "jaxinfer_prefix_cache_hit_tokens": ("prompt tokens served by the prefix cache", m["prefix_hit_tokens"]),
             "jaxinfer_compiles": ("step executables compiled (warm-up included)", compiles),
             "jaxinfer_xla_compiles_while_serving": ("XLA programs of any kind compiled since serving began "

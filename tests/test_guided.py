@@ -371,5 +371,6 @@ def test_an_id_the_constraint_refuses_ends_only_its_request(smollm2_llm):
     while engine.has_unfinished():
         outputs.update((o.index, o) for o in engine.step())
     assert outputs[broken.index].finish_reason == "abort" and len(outputs[broken.index].token_ids) == 1
+    assert engine.stats.guided_requests == 1 and engine.stats.guided_refused_ids == 1
     assert outputs[other.index].finish_reason == "length" and len(outputs[other.index].token_ids) == 8
     assert engine.runner.guide_slots.users == 0 and engine.pool.num_free == engine.pool.capacity

@@ -65,6 +65,13 @@ LINES = [
     {"id": "adapted-preloaded", "prompt": "1, 2, 3, 4,", "max_tokens": 16, "adapter": "preloaded"},
     {"id": "adapted-line", "messages": [{"role": "user", "content": "Name three colors."}], "max_tokens": 16,
      "adapter": "{line_adapter}"},
+    # Guided output: the leader sends the automaton's table load like an adapter load, and every step
+    # carries the grammar rows' bitmask; the follower must mask the same ids.
+    {"id": "guided-schema", "prompt": "A person as JSON:", "max_tokens": 40, "guided": {"json_schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}},
+        "required": ["name", "age"]}}},
+    {"id": "guided-grammar", "prompt": "Yes or no, in parentheses:", "max_tokens": 12,
+     "guided": {"grammar": 'root ::= "yes" | "no" | "(" root ")"'}},
     {"id": "program", "messages": [{"role": "user", "content": "What is 48213 * 99817?"}], "max_tokens": 400,
      "adapter": "smollm2-135m-exec", "exec": True},  # the exec adapter writes a program; the group runs it
 ]
@@ -194,6 +201,9 @@ def test_two_processes_serve_one_sharded_model_like_one_process(workdir, groups)
     assert scored[0]["prompt_logprobs"][0] is None
     assert len(scored[0]["prompt_top_logprobs"]) == scored[0]["usage"]["prompt_tokens"] > 1
     np.testing.assert_allclose(scored[1]["prompt_logprobs"][1:], scored[0]["prompt_logprobs"][1:], atol=1e-3)
+    by_id = {record["id"]: record for record in map(json.loads, group.output.read_text().splitlines())}
+    assert set(json.loads(by_id["guided-schema"]["text"])) == {"name", "age"}
+    assert by_id["guided-grammar"]["text"].strip("()") in ("yes", "no")
     answer = json.loads(next(line for line in group.output.read_text().splitlines() if '"program"' in line))
     assert "<|result|>4812477021" in answer["text"], answer["text"]  # 48213 * 99817, run in lockstep
     follower_log = group.log(1)  # the follower wrote both adapters from the tensors the leader sent

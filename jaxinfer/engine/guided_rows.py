@@ -27,6 +27,7 @@ from jaxinfer.guided.spec import GuidedSpec
 
 if TYPE_CHECKING:
     from jaxinfer.config import EngineConfig
+    from jaxinfer.engine.metrics import EngineStats
     from jaxinfer.engine.speculator import Speculator
     from jaxinfer.engine.step import ModelRunner
     from jaxinfer.tokenizer import Tokenizer
@@ -42,6 +43,7 @@ class GuidedRows:
     cfg: EngineConfig
     tokenizer: Tokenizer
     speculator: Speculator | None
+    stats: EngineStats
 
     def guide_compiler(self) -> GuideCompiler:
         """The runner's compiler (engines on a runner, and replicas, share its cache)."""
@@ -109,6 +111,7 @@ class GuidedRows:
         spec, compiled = seq.params.guided, seq.request.compiled_guide
         if spec is None:
             return
+        self.stats.guided_requests += 1
         if spec.kind == "grammar":
             seq.matcher = self.grammar_matchers().matcher(compiled, seq.output_ids)
         else:
@@ -167,6 +170,7 @@ class GuidedRows:
             seq.guide_state = seq.guide.next_state(seq.guide_state, token)
             advanced = seq.guide_state != REFUSED
         if not advanced:
+            self.stats.guided_refused_ids += 1
             log.error("guided: request %r sampled id %d, which its %s constraint refuses; it ends here",
                       seq.request.request_id, token, seq.params.guided.kind)
         return advanced

@@ -33,6 +33,8 @@ class EngineStats:
     exec_programs: int = 0  # programs run for requests with exec on (results and traps)
     exec_traps: int = 0  # of which ended in a trap (including compile errors, limits and timeouts)
     exec_idle_steps: int = 0  # machine-only steps: programs running while no sequence had tokens to compute
+    guided_requests: int = 0  # sequences started with a `guided` constraint
+    guided_refused_ids: int = 0  # sampled ids the constraint refused (each ends its request: see docs/guided.md)
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)

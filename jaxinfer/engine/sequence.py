@@ -76,6 +76,14 @@ class Sequence:
     def cache_salt(self) -> str:
         return prefix_salt(self.request, self.adapter)
 
+    def guide_row_after(self, ids: list[int]) -> tuple[int, int] | None:
+        """(pool row, grammar slot) of its automaton's state after the known output then `ids` (the
+        draft's proposals); None without an automaton on the device, or if it refuses `ids`."""
+        if self.guide is None or self.guide_loaded is None:
+            return None
+        state = self.guide.walk(ids, self.guide_state)
+        return None if state < 0 else (self.guide_loaded.base + state, self.guide_loaded.slot)
+
     @property
     def held_for_mask(self) -> bool:
         """A host-matched row whose newest id is still on the device: its next mask needs that id first."""

@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.guide_tables import GuideTables, constrain_path
+from jaxinfer.engine.guide_tables import GuideTables, constrain, constrain_path
 from jaxinfer.engine.spec import propose, verify
 from jaxinfer.engine.step import ModelRunner, keep_shardings
 from jaxinfer.engine.step_inputs import HostBatch, PackedInputs
@@ -64,12 +64,15 @@ def _pad_rows(x: jax.Array, rows: int) -> jax.Array:
     return jnp.pad(x, ((0, rows - x.shape[0]),) + ((0, 0),) * (x.ndim - 1))
 
 
-def _propose_step(graphdef, state, caches, prev_tokens: jax.Array, packed: PackedInputs):
+def _propose_step(graphdef, state, caches, prev_tokens: jax.Array, packed: PackedInputs, guides: GuideTables):
     inputs = packed.unpack()
     draft = nnx.merge(graphdef, state)
     ids = jnp.where(inputs.from_prev >= 0, prev_tokens[jnp.maximum(inputs.from_prev, 0)], inputs.tokens)
     hidden, caches = draft(ids, caches, inputs.meta)
-    tokens, probs, confidence = propose(draft.logits(hidden[inputs.logits_rows]), inputs.sampling)
+    # A guided row's draft proposes only what its automaton allows (q is then the masked distribution,
+    # which verification divides by: still lossless, and no proposal is wasted on a refused id).
+    logits = constrain(draft.logits(hidden[inputs.logits_rows]), guides, inputs.guide, prev_tokens)
+    tokens, probs, confidence = propose(logits, inputs.sampling)
     rows = prev_tokens.shape[0]
     return caches, _pad_rows(tokens, rows), _pad_rows(probs, rows), _pad_rows(confidence, rows)
 
@@ -146,7 +149,7 @@ class SpecRunner:
     def _compile_propose(self, bucket: int) -> jax.stages.Compiled:
         t = self.target
         return self._propose_jit.lower(self.graphdef, self.state, self.caches, t.no_tokens,
-                                       t.abstract_inputs(bucket)).compile()
+                                       t.abstract_inputs(bucket), t.guide_tables).compile()
 
     def _compile_verify(self, bucket: int) -> jax.stages.Compiled:
         t = self.target
@@ -190,7 +193,7 @@ class SpecRunner:
         exe = self.target.executable_from(self._propose_exes, batch.num_tokens, self._compile_propose, "propose")
         inputs = to_devices(batch.packed(), self.target.replicated)
         prev = previous.tokens if previous is not None else self.target.no_tokens
-        self.caches, tokens, probs, confidence = exe(self.state, self.caches, prev, inputs)
+        self.caches, tokens, probs, confidence = exe(self.state, self.caches, prev, inputs, self.target.guide_tables)
         return ProposeResult(tokens, probs, confidence)
 
     def verify(self, batch: HostBatch, spec: tuple[np.ndarray, np.ndarray, np.ndarray],

@@ -146,6 +146,9 @@ class Speculator:
                     batch.write_slots[j] = seq.pages[position // page_size] * page_size + position % page_size
                 batch.page_table[j, : len(seq.pages)] = seq.pages
                 self.fill_sampling(batch, j, seq, seq.num_generated + i)  # as the verify step samples
+                guide = seq.guide_row_after(plan.drafts[j])  # the proposals so far are on the host
+                if guide is not None:
+                    batch.guide_state[j], batch.guide_grammar[j] = guide
             batch.seq_rows[len(rows) :] = len(rows) - 1
             previous = self.spec.propose(batch, previous)
             plan.proposals.append(previous)
