@@ -349,14 +349,20 @@ def test_host_masks_apply_with_the_automata_off():
 
 
 def test_token_bytes_for_byte_level_and_sentencepiece_vocabularies(smollm2_llm):
+    from llguidance import LLTokenizer
     from tokenizers import Tokenizer, decoders, models
 
-    smollm2 = token_bytes(smollm2_llm.tokenizer.backend)
+    smollm2 = token_bytes(smollm2_llm.engine.grammar_matchers().tokenizer())
     assert smollm2[smollm2_llm.tokenizer.token_id("Ġhello")] == b" hello"
     assert smollm2_llm.tokenizer.eos_ids.isdisjoint(smollm2)  # specials are left out
-    piece = Tokenizer(models.WordLevel({"▁1": 0, "<0xE2>": 1, "ab": 2, "<unk>": 3}, unk_token="<unk>"))
-    piece.decoder = decoders.Metaspace()
-    assert token_bytes(piece) == {0: b" 1", 1: b"\xe2", 2: b"ab", 3: b"<unk>"}
+    # Llama 2's layout: SentencePiece pieces with byte fallback, decoded by a Replace/ByteFallback sequence.
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "<0xE2>": 3, "▁1": 4, "ab": 5}
+    piece = Tokenizer(models.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    piece.add_special_tokens(["<s>", "</s>"])
+    piece.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(" ", 1, 0)])
+    pieces = token_bytes(LLTokenizer(piece.to_str(), eos_token=2))
+    assert pieces == {0: b"<unk>", 3: b"\xe2", 4: b" 1", 5: b"ab"}
 
 
 def test_an_id_the_constraint_refuses_ends_only_its_request(smollm2_llm):

@@ -42,8 +42,10 @@ def bench_guided(args: argparse.Namespace, llm=None) -> None:
 
     llm = llm or load_llm(args)
     engine = llm.engine
-    fresh = GuideCompiler(llm.tokenizer.backend, engine.guide_compiler()._eos_id, llm.model_config.vocab_size,
-                          llm.config.guided_max_states, llm.config.guided_max_classes, llm.config.guided_max_pairs)
+    cfg = llm.config
+    fresh = GuideCompiler(engine.grammar_matchers().tokenizer, engine.guide_compiler()._eos_id,
+                          llm.model_config.vocab_size, cfg.guided_max_states, cfg.guided_max_classes,
+                          cfg.guided_max_pairs)
     fresh.get(guided_spec({"regex": "a"}))  # builds the outlines vocabulary once, outside the timing
     compiles = {"record_6_fields": {"json_schema": RECORD}, "wide_50_fields": {"json_schema": wide_schema(50)},
                 "json_object": {"json_object": True}}

@@ -9,14 +9,14 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import llguidance.numpy
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import EngineConfig, ModelConfig
 from jaxinfer.engine.guide_slots import GuideSlots, LoadedGrammar
-from jaxinfer.engine.guide_tables import GuideTables, empty_tables, install, install_arrays
+from jaxinfer.engine.guide_tables import GuideTables, empty_tables, eos_row, install, install_arrays
 from jaxinfer.guided.automaton import TokenAutomaton
-from jaxinfer.guided.host_matcher import bitmask_words
 from jaxinfer.parallel.transfer import to_devices
 
 
@@ -40,11 +40,12 @@ class GuideLoads:
         self.grammar_matchers = None  # a GrammarMatchers (host-masked grammars), made by the first engine
         self.free_mask_rows = list(range(cfg.guided_host_rows - 1, -1, -1))
         # Each step carries [guided_host_rows, ceil(vocab / 32)] int32 of host-filled masks (1 x 1: none).
-        self.bitmask_shape = (cfg.guided_host_rows, bitmask_words(vocab)) if cfg.guided_host_rows else (1, 1)
+        rows = cfg.guided_host_rows
+        self.bitmask_shape = llguidance.numpy.get_bitmask_shape(rows, vocab) if rows else (1, 1)
 
     def set_guide_eos(self, eos_ids: list[int]) -> None:
         """The ids the guided mask allows in accepting states (the tokenizer's EOS)."""
-        eos = empty_tables(0, 0, 0, 0, eos_ids).eos
+        eos = eos_row(eos_ids)
         self.guide_tables = dataclasses.replace(self.guide_tables, eos=to_devices(eos, self.replicated))
 
     def load_guide(self, key: str, automaton: TokenAutomaton) -> LoadedGrammar | None:
@@ -65,10 +66,9 @@ class GuideLoads:
         return loaded
 
     def _empty_guide_blocks(self) -> dict[str, np.ndarray]:
-        cfg = self.cfg
-        return {"token_class": np.zeros(self.model_cfg.vocab_size, np.int32),
-                "class_next": np.full((cfg.guided_max_states, cfg.guided_max_classes), -1, np.int32),
-                "final": np.zeros(cfg.guided_max_states, bool)}
+        """What warm-up writes to compile the loader: no states."""
+        return install_arrays(TokenAutomaton.nothing(self.model_cfg.vocab_size), self.cfg.guided_max_states,
+                              self.cfg.guided_max_classes)
 
     def _install_guide(self, slot: int, base: int, states: int, arrays: dict[str, np.ndarray]) -> None:
         scalars = to_devices((np.int32(slot), np.int32(base), np.int32(states)), self.replicated)

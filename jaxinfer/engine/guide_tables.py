@@ -55,10 +55,15 @@ def empty_tables(grammars: int, pool_states: int, classes: int, vocab: int, eos_
     """Host arrays of tables with nothing loaded (1 x 1 stand-ins with guided output off)."""
     if not grammars:
         grammars = pool_states = classes = vocab = 1
+    return GuideTables(np.zeros((grammars, vocab), np.int32), np.full((pool_states, classes), REFUSED, np.int32),
+                       np.zeros(pool_states, bool), eos_row(eos_ids))
+
+
+def eos_row(eos_ids: list[int]) -> np.ndarray:
+    """The tables' EOS ids, padded with -1 to MAX_EOS_IDS."""
     eos = np.full(MAX_EOS_IDS, -1, np.int32)
     eos[: len(eos_ids)] = sorted(eos_ids)[:MAX_EOS_IDS]
-    return GuideTables(np.zeros((grammars, vocab), np.int32), np.full((pool_states, classes), REFUSED, np.int32),
-                       np.zeros(pool_states, bool), eos)
+    return eos
 
 
 def constrain(logits: jax.Array, tables: GuideTables, inputs: GuideInputs, prev_tokens: jax.Array) -> jax.Array:

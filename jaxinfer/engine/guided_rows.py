@@ -47,10 +47,11 @@ class GuidedRows:
 
     def guide_compiler(self) -> GuideCompiler:
         """The runner's compiler (engines on a runner, and replicas, share its cache)."""
+        matchers = self.grammar_matchers()  # its llguidance tokenizer gives the compiler the token bytes
         with _MAKING:  # handler threads validate at once: one compiler, not one each
             if self.runner.guide_compiler is None:
                 cfg = self.cfg
-                self.runner.guide_compiler = GuideCompiler(self.tokenizer.backend, self._primary_eos(),
+                self.runner.guide_compiler = GuideCompiler(matchers.tokenizer, self._primary_eos(),
                                                            self.runner.model_cfg.vocab_size, cfg.guided_max_states,
                                                            cfg.guided_max_classes, cfg.guided_max_pairs)
             return self.runner.guide_compiler
@@ -104,7 +105,8 @@ class GuidedRows:
         if request.compiled_guide is None:
             matchers = self.grammar_matchers()
             request.compiled_guide = matchers.grammar(spec)
-            matchers.matcher(request.compiled_guide, request.generated_ids)  # the ids so far follow it
+            if request.generated_ids:  # a prefill worker's ids must follow it
+                matchers.matcher(request.compiled_guide, request.generated_ids)
 
     def _start_guide(self, seq: Sequence) -> None:
         """A new sequence's automaton or matcher, in the state after the ids a prefill worker generated."""

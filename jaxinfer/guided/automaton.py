@@ -28,6 +28,11 @@ class TokenAutomaton:
     class_next: np.ndarray  # [states, classes] int32
     final: np.ndarray  # [states] bool: the text so far is a whole match (EOS allowed)
 
+    @classmethod
+    def nothing(cls, vocab_size: int) -> TokenAutomaton:
+        """No states at all (what warm-up loads to compile the loader)."""
+        return cls(np.zeros(vocab_size, np.int32), np.full((0, 1), REFUSED, np.int32), np.zeros(0, bool))
+
     @property
     def num_states(self) -> int:
         return self.class_next.shape[0]

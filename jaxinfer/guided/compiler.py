@@ -14,12 +14,13 @@ from __future__ import annotations
 import functools
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
+from llguidance import LLTokenizer
 from outlines_core import Index, Vocabulary
 from outlines_core.json_schema import build_regex_from_schema
-from tokenizers import Tokenizer as Backend
 
 from jaxinfer.errors import RequestError
 from jaxinfer.guided.automaton import TokenAutomaton, from_transitions
@@ -65,11 +66,12 @@ def regex_of(spec: GuidedSpec) -> str:
 class GuideCompiler:
     """Spec -> TokenAutomaton for one tokenizer, within the engine's limits."""
 
-    def __init__(self, backend: Backend, eos_id: int, vocab_size: int, max_states: int, max_classes: int,
-                 max_pairs: int, cache_size: int = 64, workers: int = 2):
+    def __init__(self, tokenizer: Callable[[], LLTokenizer], eos_id: int, vocab_size: int, max_states: int,
+                 max_classes: int, max_pairs: int, cache_size: int = 64, workers: int = 2):
+        """`tokenizer`: llguidance's tokenizer of the model (shared with the grammar matchers, built once)."""
         self.vocab_size, self.max_states, self.max_classes = vocab_size, max_states, max_classes
         self.max_pairs = max_pairs
-        self._backend, self._eos_id, self._cache_size = backend, eos_id, cache_size
+        self._tokenizer, self._eos_id, self._cache_size = tokenizer, eos_id, cache_size
         self._vocabulary: Vocabulary | None = None
         self._allowed_ids = np.zeros(vocab_size, bool)
         self._first_bytes = np.zeros(256, np.int64)  # tokens per first byte
@@ -145,7 +147,7 @@ class GuideCompiler:
         with self._vocabulary_lock:
             if self._vocabulary is None:
                 tokens: dict[bytes, list[int]] = {}
-                for token, text in token_bytes(self._backend).items():
+                for token, text in token_bytes(self._tokenizer()).items():
                     if token != self._eos_id and token < self.vocab_size and text:
                         tokens.setdefault(text, []).append(token)
                 self._allowed_ids[[t for ids in tokens.values() for t in ids]] = True

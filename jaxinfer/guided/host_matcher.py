@@ -73,6 +73,3 @@ class GrammarMatchers:
                                                          eos_token=self._eos_id)
             return self._tokenizer
 
-
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
