@@ -87,3 +87,34 @@ def _parses(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
+
+
+DRAFT_CHATS = ["Describe a person as JSON.", "A JSON record of a cat.", "Give me JSON about a teacher.",
+               "JSON for a sailor."]
+DRAFT_SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                                 "mood": {"enum": ["glad", "sad"]}}, "required": ["name", "mood"]}
+
+
+def bench_guided_draft(args: argparse.Namespace) -> None:
+    """Speculative decoding of greedy JSON-schema chats with a draft model: proposals accepted when the
+    draft proposes under the automaton's mask (what the engine does) and, as the comparison, when it
+    proposes unmasked (the propose loop's per-call state switched off for this run only). Both must
+    give the output of the engine without a draft."""
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.engine.sequence import Sequence
+
+    chats = [[{"role": "user", "content": text}] for text in DRAFT_CHATS]
+    params = SamplingParams(max_tokens=40, temperature=0.0, guided={"json_schema": DRAFT_SCHEMA})
+    expected = [o.token_ids for o in LLM(args.model, args.config).generate_chat(chats, params)]
+    llm = LLM(args.model, args.config, draft_model=args.draft_model, num_draft_tokens=args.num_draft_tokens)
+    masked = Sequence.guide_row_after
+    for name, row_after in (("unmasked", lambda seq, ids: None), ("masked", masked)):
+        Sequence.guide_row_after = row_after
+        try:
+            before = llm.engine.stats.spec_proposed, llm.engine.stats.spec_accepted
+            got = [o.token_ids for o in llm.generate_chat(chats, params)]
+        finally:
+            Sequence.guide_row_after = masked
+        proposed, accepted = llm.engine.stats.spec_proposed - before[0], llm.engine.stats.spec_accepted - before[1]
+        emit(dict(what="jaxinfer_guided_draft", draft=name, proposed=proposed, accepted=accepted,
+                  acceptance=round(accepted / proposed, 3) if proposed else 0.0, same_as_no_draft=got == expected))
