@@ -9,6 +9,7 @@
     python tools/bench.py penalties                 # batch 32 with no, half and all rows penalized
     python tools/bench.py guided                    # 32 JSON-schema requests vs the same unconstrained; schema compile
     python tools/bench.py guided-draft              # a draft's proposals accepted on JSON-schema chats, masked vs not
+    python tools/bench.py guided-sizes              # the size check before a guided compile: states, pair bounds
     python tools/bench.py scoring                   # 64 prompts scored (prompt_logprobs) vs unscored, vs HF forward
     python tools/bench.py tiers                     # TTFT of a 2,048-token prefix: recomputed, L1, L2, L3 (file)
     python tools/bench.py disagg                    # prefill/decode hand-off through the file store vs one engine
@@ -34,7 +35,7 @@ import shape_bench
 from bench_common import load_llm
 from bench_compute import bench_gemm, bench_sampler, bench_start
 from bench_features import bench_exec, bench_lora, bench_spec
-from bench_guided import bench_guided, bench_guided_draft
+from bench_guided import bench_guided, bench_guided_draft, bench_guided_sizes
 from bench_kv import bench_disagg, bench_shared_prefix, bench_tiers
 from bench_peers import REPO
 from bench_throughput import bench_host, bench_offline, bench_penalties, bench_scoring, bench_uniform
@@ -78,6 +79,7 @@ def main() -> None:
     guided_draft = sub.add_parser("guided-draft", description=bench_guided_draft.__doc__.splitlines()[0])
     guided_draft.add_argument("--draft-model", default="smollm2-135m-draft")
     guided_draft.add_argument("--num-draft-tokens", type=int, default=2)
+    sub.add_parser("guided-sizes", description=bench_guided_sizes.__doc__.splitlines()[0])
     gemm = sub.add_parser("gemm")
     gemm.add_argument("--rows", type=int, nargs="+", default=[8, 32, 64, 256])
     sampler = sub.add_parser("sampler", description=bench_sampler.__doc__.splitlines()[0])
@@ -120,6 +122,8 @@ def main() -> None:
         shape_bench.bench(args)
     elif args.workload == "exec":
         bench_exec(args)
+    elif args.workload == "guided-sizes":
+        bench_guided_sizes(args)
     elif args.workload == "guided-draft":
         bench_guided_draft(args)
     elif args.workload == "lora":

@@ -118,3 +118,24 @@ def bench_guided_draft(args: argparse.Namespace) -> None:
         proposed, accepted = llm.engine.stats.spec_proposed - before[0], llm.engine.stats.spec_accepted - before[1]
         emit(dict(what="jaxinfer_guided_draft", draft=name, proposed=proposed, accepted=accepted,
                   acceptance=round(accepted / proposed, 3) if proposed else 0.0, same_as_no_draft=got == expected))
+
+
+def bench_guided_sizes(args: argparse.Namespace) -> None:
+    """The size check before a full compile (`GuideCompiler.size_of`): each pattern's states, its bound of
+    (state, token) pairs against `engine.guided_max_pairs`, and the check's own time."""
+    from jaxinfer import LLM
+    from jaxinfer.guided.compiler import regex_of
+    from jaxinfer.guided.spec import guided_spec
+
+    llm = LLM(args.model, args.config)
+    compiler = llm.engine.guide_compiler()
+    compiler.get(guided_spec({"regex": "a"}))  # builds the outlines vocabulary once, outside the timing
+    cases = {"record_6_fields": {"json_schema": RECORD}, "wide_50_fields": {"json_schema": wide_schema(50)},
+             "json_object": {"json_object": True}, "letters_4000": {"regex": "[a-z]{4000}"}}
+    for name, guided in cases.items():
+        spec = guided_spec(guided)
+        start = time.perf_counter()
+        states, bound = compiler.size_of(spec, regex_of(spec))
+        emit(dict(what="guided_size", pattern=name, states=states, pair_bound=bound,
+                  within_limits=states <= compiler.max_states and bound <= compiler.max_pairs,
+                  seconds=round(time.perf_counter() - start, 3)))

@@ -100,8 +100,8 @@ class GuideCompiler:
 
     def _compile(self, spec: GuidedSpec) -> TokenAutomaton:
         pattern = regex_of(spec)
-        if spec.kind != "json_object":  # the engine's own schema fits (1,623 states, 13.3M pairs at most; its
-            # byte-level automaton alone takes 9 s to build, so it is not checked again each compile)
+        if spec.kind != "json_object":  # the engine's own schema fits (`tools/bench.py guided-sizes`); its
+            # byte-level automaton alone takes seconds to build, so it is not checked again each compile
             self._check_size(spec, pattern)
         try:
             index = Index(pattern, self._outlines_vocabulary())
@@ -121,11 +121,10 @@ class GuideCompiler:
             raise RequestError(f"guided.{spec.kind}: no output of this vocabulary's tokens can match it")
         return automaton
 
-    def _check_size(self, spec: GuidedSpec, pattern: str) -> None:
-        """Refuses, before the full compile, an automaton too big to build: its states (exact: the same
-        DFA over single bytes, which every token-level state is one of) and an upper bound of its
-        (state, token) pairs (per state, the tokens whose first byte it allows). Without this a pattern
-        such as `[a-z]{4000}` would build tens of millions of pairs, gigabytes, before any check."""
+    def size_of(self, spec: GuidedSpec, pattern: str) -> tuple[int, int]:
+        """(states, a bound of the (state, token) pairs) of the automaton `pattern` compiles to, found
+        without building it: the same DFA over single bytes has exactly its states (every token-level
+        state is one of them), and each state's tokens are at most those whose first byte it allows."""
         try:
             index = Index(pattern, _byte_vocabulary())
         except (KeyboardInterrupt, SystemExit):
@@ -133,12 +132,17 @@ class GuideCompiler:
         except BaseException as error:
             raise RequestError(f"guided.{spec.kind}: {error}") from None
         transitions = index.get_transitions()
-        states = len(transitions.keys() | set(index.get_final_states()))
+        self._outlines_vocabulary()
+        bound = sum(int(self._first_bytes[list(row.keys() - {_BYTE_EOS})].sum()) for row in transitions.values())
+        return len(transitions.keys() | set(index.get_final_states())), bound
+
+    def _check_size(self, spec: GuidedSpec, pattern: str) -> None:
+        """Refuses, before the full compile, an automaton too big to build. Without this a pattern such
+        as `[a-z]{4000}` would build tens of millions of pairs, gigabytes, before any check."""
+        states, bound = self.size_of(spec, pattern)
         if states > self.max_states:
             raise RequestError(f"guided.{spec.kind}: its automaton has {states} states, more than "
                                f"engine.guided_max_states = {self.max_states}")
-        self._outlines_vocabulary()
-        bound = sum(int(self._first_bytes[list(row.keys() - {_BYTE_EOS})].sum()) for row in transitions.values())
         if bound > self.max_pairs:
             raise RequestError(f"guided.{spec.kind}: its automaton could hold {bound:,} (state, token) pairs, more "
                                f"than engine.guided_max_pairs = {self.max_pairs:,}")
