@@ -61,6 +61,12 @@ class EngineCollector(Collector):
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield from self._tiers(m)
+        held = GaugeMetricFamily("jaxinfer_held", "what requests still hold (all 0 when none is left: "
+                                 "jaxinfer/engine/held.py)", labels=["resource"])
+        for key, value in sorted(m.items()):
+            if key.startswith("held_"):
+                held.add_metric([key.removeprefix("held_")], value)
+        yield held
 
     @staticmethod
     def _tiers(m: dict[str, float]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -221,7 +221,9 @@ class InferenceServer:
     def _engine_snapshot(self) -> tuple[dict[str, float], int, int] | None:
         if self.worker is None:
             return None
-        return self.worker.engine.metrics(), self.llm.num_compiles, XLA_COMPILES.since(self._compiles_at_serving)
+        metrics = {**self.worker.engine.metrics(), **self.service.tenants.held(),
+                   "held_streams": self.worker.num_streams, "held_calls": self.service.active}
+        return metrics, self.llm.num_compiles, XLA_COMPILES.since(self._compiles_at_serving)
 
     async def load(self) -> None:
         """Loads and warms the model (unless given), starts the engine thread, then reports SERVING."""

@@ -94,6 +94,12 @@ class TenantBook:
         with self._lock:
             self._queued_tokens[tenant.name] -= tokens
 
+    def held(self) -> dict[str, int]:
+        """Calls counted in and tokens charged over every tenant (both 0 once every call has ended)."""
+        with self._lock:
+            return {"held_tenant_calls": sum(self._concurrent.values()),
+                    "held_tenant_tokens": sum(self._queued_tokens.values())}
+
     def release(self, tenant: Tenant) -> None:
         """Counts out a call that `admit` counted in."""
         with self._lock:

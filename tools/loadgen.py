@@ -23,12 +23,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +34,8 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from serve_probe import start_server  # noqa: E402
 
 from serving.client import AsyncInferenceClient  # noqa: E402
 
@@ -138,31 +136,6 @@ async def run_load(args: argparse.Namespace, target: str, front: str = "grpc") -
     }
 
 
-def start_server(config: str) -> tuple[subprocess.Popen, str, str]:
-    """Starts the server with both APIs (its log in a temporary file), waits until health says SERVING;
-    returns the process, the gRPC target and the HTTP target."""
-    command = [sys.executable, "-m", "serving", "--config", config, "--port", "0", "--metrics-port", "-1",
-               "--http-port", "0"]
-    with tempfile.NamedTemporaryFile("w", suffix=".log", delete=False) as log:
-        proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-                                env=dict(os.environ))
-    listening = json.loads(proc.stdout.readline())
-    target, http_target = f"127.0.0.1:{listening['port']}", f"127.0.0.1:{listening['http_port']}"
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    deadline = time.time() + 600
-    with grpc.insecure_channel(target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited; its log: {log.name}")
-            status = health.Check(health_pb2.HealthCheckRequest(), timeout=5).status
-            if status == health_pb2.HealthCheckResponse.SERVING:
-                return proc, target, http_target
-            time.sleep(0.5)
-    raise SystemExit("the server did not become ready")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     where = p.add_mutually_exclusive_group(required=True)
@@ -180,10 +153,11 @@ def main() -> None:
     p.add_argument("--front", choices=("grpc", "http", "both"), default="grpc")
     p.add_argument("--http-target", help="host:port of a running server's HTTP API (with --target)")
     args = p.parse_args()
-    proc = None
+    served = None
     target, http_target = args.target, args.http_target or args.target
     if args.serve:
-        proc, target, http_target = start_server(args.serve)
+        served = start_server(args.serve)
+        target, http_target = served.target, served.http_target
     try:
         fronts = ("grpc", "http") if args.front == "both" else (args.front,)
         results = [asyncio.run(run_load(args, http_target if front == "http" else target, front)) for front in fronts]
@@ -196,9 +170,8 @@ def main() -> None:
                               "output_tokens_per_s": round(http_run["output_tokens_per_s"]
                                                            / grpc_run["output_tokens_per_s"], 3)}), flush=True)
     finally:
-        if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=120)
+        if served is not None:
+            served.stop()
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from jaxinfer.engine.batch_builder import StepBatchBuilder
 from jaxinfer.engine.disagg import PagePublisher
 from jaxinfer.engine.executor import Executor
 from jaxinfer.engine.guided_rows import GuidedRows
+from jaxinfer.engine.held import held_resources
 from jaxinfer.engine.inflight import InflightStep
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.outputs import OutputAssembly, top_pairs
@@ -192,7 +193,8 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, GuidedRows, Promp
         """Counters and gauges: running, waiting, preemptions, free pages, prefix hits, per-step times."""
         s = self.scheduler
         tiers = s.tiers.gauges() if s.tiers is not None else None
-        return snapshot(self.stats, len(s.running), len(s.waiting), self.pool.num_free, self.pool.capacity, tiers)
+        return {**snapshot(self.stats, len(s.running), len(s.waiting), self.pool.num_free, self.pool.capacity, tiers),
+                **held_resources(self)}
 
     # -- step-wise API (what a server drives) --------------------------------------------------
     def add_request(self, request: Request) -> Sequence:

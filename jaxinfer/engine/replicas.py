@@ -17,6 +17,7 @@ from dataclasses import fields
 from jaxinfer.engine.adapters import AdapterInfo, ReadAdapter
 from jaxinfer.engine.engine import Engine, run_to_completion
 from jaxinfer.engine.executor import tenant_of
+from jaxinfer.engine.held import held_resources
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.sequence import Sequence
@@ -192,4 +193,4 @@ class ReplicaSet:
         schedulers = [engine.scheduler for engine in self.engines]
         return {**snapshot(self.stats, sum(len(s.running) for s in schedulers), sum(len(s.waiting) for s in schedulers),
                            sum(e.pool.num_free for e in self.engines), sum(e.pool.capacity for e in self.engines)),
-                "replicas": len(self.engines)}
+                **held_resources(self), "replicas": len(self.engines)}
