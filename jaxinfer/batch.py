@@ -1,8 +1,10 @@
 """Offline batch runner: `python -m jaxinfer.batch --model NAME --input IN.jsonl --output OUT.jsonl`.
 
 Each input line is {"id": ..., "prompt": "..."} or {"id": ..., "messages": [...]}, with optional
-per-line sampling fields. Output lines come in input order; a malformed line gets an output line
-with an `error` field naming the problem, and every other line still runs.
+per-line sampling fields. Output lines come in input order, each appended (and fsynced) once it and
+the lines before it are done; a malformed line gets an output line with an `error` field naming the
+problem, and every other line still runs. After a crash, `--resume` keeps the lines written and runs
+the rest (docs/reliability.md).
 
 This module is the command line and the run (the engine settings the lines need, their adapters, the
 summary); the input lines are read by `batch_lines.py`, the output written by `batch_output.py`.
@@ -21,7 +23,7 @@ from typing import Any
 from tqdm import tqdm
 
 from jaxinfer.batch_lines import UNDECODABLE_BYTE, Job, open_input, read_jobs  # noqa: F401 (UNDECODABLE_BYTE: tests)
-from jaxinfer.batch_output import check_output_paths, write_output, write_whole
+from jaxinfer.batch_output import OrderedOutput, check_output_paths, output_record, resume_point, write_whole
 from jaxinfer.config import EngineConfig, load_engine_config
 from jaxinfer.engine.adapters import parse_adapter_spec
 from jaxinfer.engine.metrics import EngineStats
@@ -39,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m", help="registry name or path (GGUF, HF folder, orbax)")
     p.add_argument("--input", required=True, help="JSONL file, or - for stdin")
     p.add_argument("--output", required=True, help="JSONL file, or - for stdout")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from the lines an interrupted run left in --output (checked against the input's ids); "
+                        "without it the output is written from the start")
     p.add_argument("--config", help="engine TOML file (its [engine] table)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -129,8 +134,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         check_output_paths(args)
         with open_input(args.input) as stream:
             jobs = read_jobs(stream, defaults)
-        llm = LLM(args.model, _with_line_needs(config, args, jobs, group), process_group=group, lockstep=channel)
-        return _run_jobs(args, llm, jobs)
+        first = resume_point(args.output, jobs) if args.resume else 0  # a wrong file fails before the load
+        llm = LLM(args.model, _with_line_needs(config, args, jobs[first:], group), process_group=group,
+                  lockstep=channel)
+        return _run_jobs(args, llm, jobs, first)
     finally:
         if channel is not None:
             channel.stop()
@@ -169,36 +176,53 @@ def _adapters_named(jobs: list[Job]) -> list[str]:
     return sorted({job.adapter for job in jobs if job.error is None} - {""})
 
 
-def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job]) -> dict[str, Any]:
-    adapters = _adapters_named(jobs)
+def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job], first: int) -> dict[str, Any]:
+    """Runs the lines from position `first` on, appending their output lines in order."""
+    todo = list(enumerate(jobs))[first:]  # (position, job) of the lines this run writes
+    adapters = _adapters_named([job for _, job in todo])
     if adapters and llm.config.max_adapters:
-        _load_adapters(llm, jobs, adapters)
+        _load_adapters(llm, [job for _, job in todo], adapters)
     start, compiles_at_start = time.perf_counter(), XLA_COMPILES.mark()
-    engine, job_of = llm.engine, {}
-    engine.prefetch_guided(job.params for job in jobs if job.error is None)
-    for job in jobs:
-        request = to_request(llm, job) if job.error is None else None
-        if request is not None:
-            try:
-                job_of[engine.add_request(request).index] = job  # validates; a bad line fails alone
-            except RequestError as exc:
-                job.error = f"line {job.line}: {exc}"
-    bar = tqdm(total=len(job_of), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
-    results: dict[int, RequestOutput] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            results[id(job_of[out.index])] = out
-            bar.update(1)
-    bar.close()
-    outputs = list(results.values())
+    engine, job_of, outputs = llm.engine, {}, []
+    output = OrderedOutput(args.output, first)
+    try:
+        engine.prefetch_guided(job.params for _, job in todo if job.error is None)
+        for position, job in todo:
+            _submit(llm, position, job, job_of)
+            if job.error is not None:
+                output.put(position, output_record(job, None))
+        bar = tqdm(total=len(job_of), desc="requests", unit="req", disable=args.no_progress, file=sys.stderr)
+        while engine.has_unfinished():
+            for out in engine.step():
+                position, job = job_of[out.index]
+                output.put(position, output_record(job, out))
+                outputs.append(out)
+                bar.update(1)
+        bar.close()
+    finally:
+        output.close()
     wall = time.perf_counter() - start
     engine.persist_prefix_cache()  # with an L3 store, a later run reuses this run's prefix pages
-    compiles = XLA_COMPILES.since(compiles_at_start)
-    write_output(args.output, jobs, results)
+    return _summary(args, llm, [job for _, job in todo], outputs, wall, XLA_COMPILES.since(compiles_at_start), first)
+
+
+def _submit(llm, position: int, job: Job, job_of: dict[int, tuple[int, Job]]) -> None:
+    """Queues a line's request; a line that fails validation gets its error instead (it fails alone)."""
+    request = to_request(llm, job) if job.error is None else None
+    if request is not None:
+        try:
+            job_of[llm.engine.add_request(request).index] = (position, job)
+        except RequestError as exc:
+            job.error = f"line {job.line}: {exc}"
+
+
+def _summary(args: argparse.Namespace, llm, jobs: list[Job], outputs: list[RequestOutput], wall: float,
+             compiles: int, resumed: int) -> dict[str, Any]:
     completion = sum(o.usage.completion_tokens for o in outputs)
     metrics = llm.engine.metrics()
     return {
         "requests": len(jobs),
+        "resumed_lines": resumed,  # output lines an earlier run had written (--resume), not run again
         "errors": sum(1 for j in jobs if j.error),
         "prompt_tokens": sum(o.usage.prompt_tokens for o in outputs),
         "completion_tokens": completion,

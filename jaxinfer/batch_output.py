@@ -1,5 +1,8 @@
-"""The batch runner's output: the output lines in input order (a result or an error per line) as UTF-8 JSONL,
-written whole through a temporary file, with the output paths checked before the model loads.
+"""The batch runner's output: one UTF-8 JSON line per input line, in input order (a result or an error),
+appended as the requests finish and made durable line group by line group (flushed and fsynced), so
+a crash loses only the lines still in flight; `--resume` finds where a cut-off output ends and goes
+on from there. Also the output paths' checks before the model loads, and `write_whole` for files
+written at once (the stats summary).
 """
 
 from __future__ import annotations
@@ -10,42 +13,111 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from jaxinfer.batch_lines import Job
 from jaxinfer.errors import JaxinferError
 
 
-def write_output(path: str, jobs: list[Job], results: dict[int, Any]) -> None:
-    lines = []
-    for job in jobs:
-        if job.error is not None:
-            lines.append({"id": job.id, "error": job.error})
-            continue
-        out = results[id(job)]
-        record = {
-            "id": job.id,
-            "text": out.text,
-            "token_ids": out.token_ids,
-            "finish_reason": out.finish_reason,
-            "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens,
-                      "cached_tokens": out.usage.cached_tokens},
-        }
-        if out.logprobs is not None:
-            record["logprobs"] = out.logprobs
-        if out.top_logprobs is not None:
-            record["top_logprobs"] = _pairs(out.top_logprobs)
-        if out.prompt_logprobs is not None:
-            record["prompt_logprobs"] = out.prompt_logprobs  # null for the first token
-        if out.prompt_top_logprobs is not None:
-            record["prompt_top_logprobs"] = _pairs(out.prompt_top_logprobs)
-        lines.append(record)
-    text = "".join(_json_line(r) for r in lines)
+def output_record(job: Job, out: Any) -> dict[str, Any]:
+    """A line's output record: its error, or its request's text, ids, finish reason, usage and scores."""
+    if job.error is not None:
+        return {"id": job.id, "error": job.error}
+    record = {
+        "id": job.id,
+        "text": out.text,
+        "token_ids": out.token_ids,
+        "finish_reason": out.finish_reason,
+        "usage": {"prompt_tokens": out.usage.prompt_tokens, "completion_tokens": out.usage.completion_tokens,
+                  "cached_tokens": out.usage.cached_tokens},
+    }
+    if out.logprobs is not None:
+        record["logprobs"] = out.logprobs
+    if out.top_logprobs is not None:
+        record["top_logprobs"] = _pairs(out.top_logprobs)
+    if out.prompt_logprobs is not None:
+        record["prompt_logprobs"] = out.prompt_logprobs  # null for the first token
+    if out.prompt_top_logprobs is not None:
+        record["prompt_top_logprobs"] = _pairs(out.prompt_top_logprobs)
+    return record
+
+
+class OrderedOutput:
+    """Takes each line's record as it is done, in any order, and appends the records in input order:
+    a record waits only for the lines before it. Each group of lines appended is flushed and fsynced
+    before the next, so what a crash leaves is a prefix of the full output (plus at most one cut line)."""
+
+    def __init__(self, path: str, first: int = 0):
+        """`first`: the position of the first line to write (lines before it are in the file already)."""
+        self.path, self.next, self._ready = path, first, {}
+        self._file: IO[str] = sys.stdout if path == "-" else _open_for_append(path, truncate=first == 0)
+
+    def put(self, position: int, record: dict[str, Any]) -> None:
+        self._ready[position] = _json_line(record)
+        group = []
+        while self.next in self._ready:
+            group.append(self._ready.pop(self.next))
+            self.next += 1
+        if group:
+            self._append("".join(group))
+
+    def _append(self, text: str) -> None:
+        try:
+            self._file.write(text)
+            self._file.flush()
+            if self._file is not sys.stdout:
+                os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise JaxinferError(f"--output: cannot write {self.path} ({exc.strerror or exc})") from None
+
+    def close(self) -> None:
+        if self._file is not sys.stdout:
+            self._file.close()
+
+
+def _open_for_append(path: str, truncate: bool) -> IO[str]:
+    target = Path(path)
+    created = not target.exists()
+    try:
+        stream = open(target, "w" if truncate else "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        if created:  # the new name itself survives a crash only once its folder is synced
+            folder = os.open(target.parent, os.O_RDONLY)
+            try:
+                os.fsync(folder)
+            finally:
+                os.close(folder)
+    except OSError as exc:
+        raise JaxinferError(f"--output: cannot write {path} ({exc.strerror or exc})") from None
+    return stream
+
+
+def resume_point(path: str, jobs: list[Job]) -> int:
+    """How many output lines an earlier run of these jobs left whole in `path` (0: none, or no file).
+
+    Each must carry the id of the input line at its position, else the file is not this input's
+    output and is left untouched. A last line cut by a crash (no newline) is removed."""
     if path == "-":
-        sys.stdout.write(text)
-        sys.stdout.flush()
-        return
-    write_whole(path, text, "--output")
+        raise JaxinferError("--resume: needs an --output file (stdout cannot be resumed)")
+    target = Path(path)
+    if not target.exists():
+        return 0
+    data = target.read_bytes()
+    whole = data[: data.rfind(b"\n") + 1]
+    lines = whole.decode("utf-8", errors="replace").splitlines()
+    if len(lines) > len(jobs):
+        raise JaxinferError(f"--resume: {path} has {len(lines)} lines, more than the input's {len(jobs)}; "
+                            "it is not this input's output")
+    for number, (line, job) in enumerate(zip(lines, jobs[: len(lines)], strict=True), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not isinstance(record, dict) or record.get("id", object()) != job.id:
+            raise JaxinferError(f"--resume: line {number} of {path} is not the output of input line {job.line} "
+                                f"(id {job.id!r}); it is not this input's output")
+    if len(whole) < len(data):
+        os.truncate(target, len(whole))
+    return len(lines)
 
 
 def _pairs(tops: list[list[tuple[int, float]]]) -> list[list[list[int | float]]]:
