@@ -97,7 +97,7 @@ class OpenAIFrontEnd:
         if self.service.draining:
             return "the server is shutting down"
         if self.service.worker is None:
-            return "the model is still loading"
+            return self.service.not_ready
         if self.service.worker.dead is not None:
             return f"the engine stopped: {self.service.worker.dead}"
         return None

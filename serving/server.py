@@ -32,6 +32,8 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.llm import LLM
 from jaxinfer.parallel.distributed import ProcessGroup
 from jaxinfer.parallel.lockstep import Leader
+from jaxinfer.weights import self_test
+from jaxinfer.weights.registry import resolve
 from serving.disagg import ROLES, PrefillRouter, PrefillService
 from serving.metrics import ServerMetrics
 from serving.openai_server import HttpFrontEnd
@@ -67,6 +69,7 @@ class ServeConfig:
     prefill_peers: tuple[str, ...] = ()  # a decode worker's prefill workers, "host:port"
     prefill_timeout_seconds: float = 60.0  # a decode worker waits this long for a peer, then tries the next
     prefill_tls_ca: str = ""  # PEM root certificates: TLS to the prefill peers (set it when they use serve.tls_cert)
+    self_test: bool = True  # before SERVING, run the checkpoint's stored greedy prompt (jaxinfer/weights/self_test.py)
 
     def replace(self, **changes: Any) -> ServeConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
@@ -230,6 +233,8 @@ class InferenceServer:
         if self.llm is None:
             self.llm = await in_daemon_thread(lambda: LLM(self.config.model, self.engine_config,
                                                           process_group=self.process_group, lockstep=self.lockstep))
+        if self.config.self_test and not await in_daemon_thread(self._self_test):
+            return
         # The worker's own engine: only its thread steps it. It shares the runner (device caches, page
         # pool) with `llm.engine`, which must not be stepped from another thread while this serves.
         engine = self.llm.new_engine()
@@ -242,6 +247,15 @@ class InferenceServer:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s", self.config.model)
+
+    def _self_test(self) -> bool:
+        """The checkpoint's fingerprint test (on `llm.engine`, before the worker exists); False: it failed
+        and the server stays NOT_SERVING, refusing calls with the reason."""
+        passed, message = self_test.check(self.llm, resolve(self.config.model).path)
+        (log.info if passed else log.error)(message)
+        if not passed:
+            self.service.not_ready = message
+        return passed
 
     def _report_not_serving(self) -> None:
         """The engine thread died: health checks say NOT_SERVING, so load balancers route elsewhere."""

@@ -73,6 +73,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.worker: EngineWorker | None = None
         self.draining = False
         self.active = 0  # Generate calls admitted and not yet ended
+        self.not_ready = "the model is still loading"  # why calls are refused before SERVING (or a failed self-test)
         self.router: PrefillRouter | None = None  # set on a decode worker: prompts go to prefill peers
 
     def attach(self, llm: LLM, worker: EngineWorker) -> None:
@@ -115,7 +116,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         elif self.draining:
             refusal = "unavailable", grpc.StatusCode.UNAVAILABLE, "the server is shutting down"
         elif self.worker is None:
-            refusal = "unavailable", grpc.StatusCode.UNAVAILABLE, "the model is still loading"
+            refusal = "unavailable", grpc.StatusCode.UNAVAILABLE, self.not_ready
         if refusal is not None:
             status, code, message = refusal
             if counted:

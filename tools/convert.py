@@ -2,7 +2,8 @@
 
     python tools/convert.py --model smollm2-135m --output /tmp/smollm2-orbax [--dtype bfloat16]
 
-The output folder holds the orbax-saved weights, the model config and the tokenizer; `--model` of
+The output folder holds the orbax-saved weights, the model config, the tokenizer and `self_test.json`
+(a fixed greedy prompt's tokens, which a server checks before it reports SERVING); `--model` of
 the engine and the batch runner accepts it, and restore places every array directly with its
 sharding on the target mesh (which may differ from the mesh used here).
 """
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 from jaxinfer import tokenizer as tokenizers_
 from jaxinfer.errors import JaxinferError
 from jaxinfer.parallel import make_mesh
-from jaxinfer.weights import orbax_io
+from jaxinfer.weights import orbax_io, self_test
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.loader import load_model, parameters
 from jaxinfer.weights.registry import resolve
@@ -35,7 +36,19 @@ def convert(model: str, output: Path, dtype: str, mesh_model: int) -> float:
     output.mkdir(parents=True, exist_ok=True)
     tok.save(output)
     orbax_io.save(output, loaded.config, parameters(loaded.model), dtype=dtype, source=checkpoint.name)
+    write_fingerprint(output, dtype)
     return time.perf_counter() - start
+
+
+def write_fingerprint(output: Path, dtype: str) -> None:
+    """The warm-up self-test's fingerprint, from the converted checkpoint itself as the engine loads it."""
+    from jaxinfer.llm import LLM
+
+    llm = LLM(str(output), dtype=dtype, max_seqs=1, num_pages=16, page_size=16, token_buckets=(1, 8, 32))
+    try:
+        self_test.write(output, self_test.run_prompt(llm))
+    finally:
+        llm.close()
 
 
 def main(argv: list[str] | None = None) -> int:
