@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fuzz_requests import HTTP_FIELDS, field_names, http_bodies, rpc_requests
-from serve_probe import health, start_server, wait_released
+from serve_probe import health, run_checked, wait_released
 
 from serving.proto.jaxinfer.v1 import inference_pb2 as pb
 
@@ -272,21 +272,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--call-timeout", type=float, default=30.0, help="the fuzzer's deadline per call")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    served = start_server(args.serve, metrics=True) if args.serve else None
-    try:
-        if served is not None:
-            target, http_target, metrics = served.target, served.http_target, served.metrics_target
-        else:
-            target, http_target, metrics = args.target, args.http_target, args.metrics
-        if not metrics:
-            raise SystemExit("--metrics: the server's /metrics address is needed to check what is held")
-        alive = (lambda: served.proc.poll() is None) if served else (lambda: health(target) == "SERVING")
-        result = run_campaign(args, target, http_target, metrics, alive)
-    finally:
-        if served is not None:
-            served.stop()
-    print(json.dumps(result), flush=True)
-    return 1 if result["checks_failed"] else 0
+
+    def work(served, metrics: str) -> dict:
+        if served is None:
+            return run_campaign(args, args.target, args.http_target, metrics, lambda: health(args.target) == "SERVING")
+        return run_campaign(args, served.target, served.http_target, metrics, lambda: served.proc.poll() is None)
+
+    return run_checked(args.serve, args.metrics, work)
 
 
 if __name__ == "__main__":

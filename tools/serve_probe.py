@@ -13,6 +13,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,3 +112,20 @@ def rss_mb(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
+
+
+def run_checked(serve_config: str | None, metrics: str | None, work: Callable[[Served | None, str], dict]) -> int:
+    """Starts a server for `serve_config` (or uses the running one whose /metrics is `metrics`), runs
+    `work(served, metrics)`, stops the server, prints the result as one JSON line; exit status 1 when
+    the result lists failed checks."""
+    served = start_server(serve_config, metrics=True) if serve_config else None
+    try:
+        metrics = served.metrics_target if served else metrics
+        if not metrics:
+            raise SystemExit("--metrics: the server's /metrics address is needed to check what is held")
+        result = work(served, metrics)
+    finally:
+        if served is not None:
+            served.stop()
+    print(json.dumps(result), flush=True)
+    return 1 if result["checks_failed"] else 0

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import time
@@ -32,7 +31,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from serve_probe import health, rss_mb, scrape, start_server, wait_released
+from serve_probe import health, rss_mb, run_checked, scrape, wait_released
 
 from serving.client import AsyncInferenceClient, InferenceClient
 
@@ -203,17 +202,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between health and memory samples")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    served = start_server(args.serve, metrics=True) if args.serve else None
-    try:
-        target, metrics = (served.target, served.metrics_target) if served else (args.target, args.metrics)
-        if not metrics:
-            raise SystemExit("--metrics: the server's /metrics address is needed to check what is held")
-        result = asyncio.run(soak(args, target, metrics, served.proc.pid if served else args.pid))
-    finally:
-        if served is not None:
-            served.stop()
-    print(json.dumps(result), flush=True)
-    return 1 if result["checks_failed"] else 0
+
+    def work(served, metrics: str) -> dict:
+        target, pid = (served.target, served.proc.pid) if served else (args.target, args.pid)
+        return asyncio.run(soak(args, target, metrics, pid))
+
+    return run_checked(args.serve, args.metrics, work)
 
 
 if __name__ == "__main__":
