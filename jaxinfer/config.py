@@ -13,10 +13,14 @@ from typing import Any
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.machine_shape import EXEC_LOOPS, MachineShape
+from jaxinfer.moe_config import MoEConfig, moe_from_hf
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+# config.json model_type -> architecture
+HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe",
+                  "mixtral": "mixtral"}
 EXEC_STEPS_BY_PLATFORM = {"cpu": 4096, "default": 256}  # used where engine.exec_steps_per_step = 0
 RAGGED_REFERENCE_MAX_LEN = 4096  # the plain-JAX TPU contract's memory grows with the context
 # layers.backends.make_backend
@@ -35,7 +39,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and variant of a Llama-family decoder (Llama 3, SmolLM2, Qwen2/2.5, Qwen3)."""
+    """Shape and variant of a decoder (Llama 3, SmolLM2, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral)."""
 
     architecture: str
     vocab_size: int
@@ -56,6 +60,7 @@ class ModelConfig:
     qk_norm: bool = False
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # the experts of the sparse layers (models/experts.py)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -82,7 +87,8 @@ class ModelConfig:
         mlp = 3 * self.hidden_size * self.intermediate_size
         per_layer = attn + mlp + 2 * self.hidden_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * per_layer + embed + self.hidden_size
+        sparse = len(self.moe.sparse_layers) * (self.moe.params_per_layer * self.hidden_size - mlp) if self.moe else 0
+        return self.num_layers * per_layer + sparse + embed + self.hidden_size
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -95,6 +101,7 @@ class ModelConfig:
         for key in ("rope_freq_factors", "eos_token_ids"):
             if data.get(key) is not None:
                 data[key] = tuple(data[key])
+        data["moe"] = MoEConfig.from_dict(data.get("moe"))
         return cls(**data)
 
     @classmethod
@@ -103,11 +110,11 @@ class ModelConfig:
         if not isinstance(hf, dict):
             raise ConfigError(f"config.json must hold a JSON object, got {type(hf).__name__}")
         model_type = hf.get("model_type", "")
-        architecture = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
+        architecture = HF_MODEL_TYPES.get(model_type)
         if architecture is None:
             raise ConfigError(
                 f"unknown architecture: config.json has model_type {model_type!r}; "
-                f"supported: llama, qwen2, qwen3"
+                f"supported: {', '.join(HF_MODEL_TYPES)}"
             )
         _refuse_unsupported_variants(hf)
         try:
@@ -133,9 +140,10 @@ class ModelConfig:
                 max_position_embeddings=_context_within_window(hf),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                 attention_bias=architecture == "qwen2" or bool(hf.get("attention_bias", False)),
-                qk_norm=architecture == "qwen3",
+                qk_norm=architecture in ("qwen3", "qwen3_moe"),
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                moe=moe_from_hf(hf, model_type, int(hf["num_hidden_layers"])),
             )
         except KeyError as missing:
             raise ConfigError(f"config.json lacks the field {missing.args[0]!r}") from None
@@ -162,7 +170,8 @@ def _context_within_window(hf: dict[str, Any]) -> int:
     attention exactly while the context fits in the window (Mistral v0.1's 4096 of 32768)."""
     longest = int(hf.get("max_position_embeddings", 4096))
     window = hf.get("sliding_window")
-    windowed = hf.get("use_sliding_window") or hf.get("model_type") == "mistral"  # qwen2 has a switch for it
+    # qwen2 has a switch for it
+    windowed = hf.get("use_sliding_window") or hf.get("model_type") in ("mistral", "mixtral")
     if windowed and isinstance(window, int) and not isinstance(window, bool) and 0 < window < longest:
         log.warning("sliding_window %d of %d positions: the context is capped at the window, where full "
                     "attention is the same", window, longest)
@@ -222,6 +231,7 @@ class EngineConfig:
     attention_query_tile: int = 16  # tokens of one sequence that share each key block's read (all backends)
     mesh_data: int = 1
     mesh_model: int = 0  # 0: all remaining devices
+    mesh_expert: int = 1  # devices the experts of a mixture-of-experts model are split over (docs/deployment.md)
     prefix_caching: bool = True
     async_scheduling: bool = True  # dispatch step N+1 before reading step N's sampled ids (overlap)
     kv_host_pages: int = 0  # L2: evicted prefix pages kept in host memory (0: none)

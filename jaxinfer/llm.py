@@ -76,15 +76,15 @@ def check_multi_process(cfg: EngineConfig) -> None:
 
 
 def check_group_settings(cfg: EngineConfig, group: ProcessGroup) -> Mesh:
-    """The ('data', 'model') mesh, after refusing what the group or the replicas cannot run. In a
+    """The ('data', 'expert', 'model') mesh, after refusing what the group or the replicas cannot run. In a
     group, `LLM` checks once every process has joined the control channel: a follower's refusal
     reaches the leader, and a leader's stops the followers. With mesh_data > 1 each data row is one
     replica of the model."""
     if group.distributed:
         check_multi_process(cfg)
-    mesh = make_mesh(cfg.mesh_data, cfg.mesh_model)
+    mesh = make_mesh(cfg.mesh_data, cfg.mesh_model, expert=cfg.mesh_expert)
     if group.distributed and mesh.devices.size != jax.device_count():
-        raise ConfigError(f"engine.mesh_data x engine.mesh_model = {mesh.devices.size} devices; with "
+        raise ConfigError(f"engine.mesh_data x mesh_expert x mesh_model = {mesh.devices.size} devices; with "
                           f"{group.num_processes} processes the mesh must span all {jax.device_count()}")
     if cfg.mesh_data > 1 and group.distributed:
         raise ConfigError("engine.mesh_data > 1 (replicas) is not supported with more than one process: run one "

@@ -72,13 +72,14 @@ def real_tokens(meta: AttentionMetadata) -> jax.Array:
 
 def on_each_model_device(local_attend: Callable[..., jax.Array], q: jax.Array, cache: Any, meta: AttentionMetadata,
                          *, model_parallel: int, layout: KVLayout) -> jax.Array:
-    """Runs a kernel's attention in `shard_map` over the model axis of a replica's mesh (data x model,
-    data 1). A Pallas call is opaque to XLA's partitioner, which would gather whole KV pools onto every
-    device to run it. Where the layout splits the kv heads over the axis, each device attends with its
-    own kv heads and the query heads of their groups; where it keeps them whole (the axis does not
-    divide them), every device attends with all of them."""
+    """Runs a kernel's attention in `shard_map` over the model axis of a replica's mesh (data x expert x
+    model, data 1; expert 1, since `LLM` refuses these kernels beside expert parallelism). A Pallas
+    call is opaque to XLA's partitioner, which would gather whole KV pools onto every device to run it.
+    Where the layout splits the kv heads over the axis, each device attends with its own kv heads and
+    the query heads of their groups; where it keeps them whole (the axis does not divide them), every
+    device attends with all of them."""
     cache_spec = layout.heads_spec(model_parallel)
-    mesh = AbstractMesh((1, model_parallel), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    mesh = AbstractMesh((1, 1, model_parallel), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     heads = PartitionSpec(None, "model", None) if cache_spec is not None else PartitionSpec()
     cache_specs = jax.tree.map(lambda _: cache_spec or PartitionSpec(), cache)
     return jax.shard_map(local_attend, mesh=mesh, in_specs=(heads, cache_specs, PartitionSpec()), out_specs=heads,

@@ -9,7 +9,7 @@ from flax import nnx
 from jaxinfer.layers.lora import LoraParam, ZerosFn, added_rows_logits, added_rows_lookup, lora_delta
 
 
-def _init(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
+def initial_weights(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
     if rngs is None:
         return jnp.zeros(shape, dtype)
     return (jax.random.normal(rngs.params(), shape, jnp.float32) * scale).astype(dtype)
@@ -30,7 +30,7 @@ class Linear(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs | None = None,
     ):
-        self.kernel = nnx.Param(_init(rngs, (in_features, out_features), dtype), logical_axes=axes)
+        self.kernel = nnx.Param(initial_weights(rngs, (in_features, out_features), dtype), logical_axes=axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],)) if bias else None
         self.axes = axes
         self.lora_a: LoraParam | None = nnx.data(None)
@@ -60,7 +60,7 @@ class Embed(nnx.Module):
     With `add_token_slots`, the rows of ids >= `added_start` come from each token's adapter slot."""
 
     def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
-        self.weight = nnx.Param(_init(rngs, (vocab, dim), dtype), logical_axes=("vocab", "embed"))
+        self.weight = nnx.Param(initial_weights(rngs, (vocab, dim), dtype), logical_axes=("vocab", "embed"))
         self.added_rows: LoraParam | None = nnx.data(None)
         self.added_start = vocab
 

@@ -3,7 +3,9 @@
 from jaxinfer.layers.kv_layout import KVCache
 from jaxinfer.models.decoder import CausalLM
 from jaxinfer.models.llama import LlamaForCausalLM
-from jaxinfer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
+from jaxinfer.models.mixtral import MixtralForCausalLM
+from jaxinfer.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM
 from jaxinfer.models.registry import model_class
 
-__all__ = ["CausalLM", "KVCache", "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "model_class"]
+__all__ = ["CausalLM", "KVCache", "LlamaForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+           "Qwen3MoeForCausalLM", "model_class"]

@@ -1,6 +1,7 @@
 """The shared blocks a model family composes: attention (the full-attention kind, with its variants),
-the gated MLP, the pre-norm decoder layer, and `_run_layer`, the nested jit every layer runs through
-(private to models/: the lowered step names it, and tests count its calls).
+the gated MLP (or the sparse experts, models/experts.py), the pre-norm decoder layer, and
+`_run_layer`, the nested jit every layer runs through (private to models/: the lowered step names it,
+and tests count its calls).
 
 Module and parameter names mirror Hugging Face's (`self_attn.q_proj.kernel`), so a checkpoint maps
 onto the tree by name. The blocks know nothing of requests: a layer maps a flat batch of tokens,
@@ -16,10 +17,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata
+from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, real_tokens
 from jaxinfer.layers.basic import Linear, RMSNorm
 from jaxinfer.layers.kv_layout import LayerCache
 from jaxinfer.layers.rope import apply_rope
+from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement, SparseMoE
 from jaxinfer.models.layer_kinds import AttentionSpec, LayerSpec
 
 
@@ -74,21 +76,31 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-    """A pre-norm residual layer: x + attention(norm(x)), then + mlp(norm(x)), as its spec declares."""
+    """A pre-norm residual layer: x + attention(norm(x)), then + feed-forward(norm(x)), as its spec
+    declares; the feed-forward block is the MLP (`mlp`) or the sparse experts (under the family's name)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, backend: AttentionBackend, dtype: jnp.dtype,
-                 rngs: nnx.Rngs | None):
+                 rngs: nnx.Rngs | None, placement: ExpertPlacement = ONE_DEVICE):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(cfg, spec.attention, backend, dtype, rngs)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.sparse = spec.experts is not None
+        if spec.experts is None:
+            self.feed_forward_name = "mlp"
+            self.mlp = MLP(cfg, dtype, rngs)
+        else:
+            self.feed_forward_name = spec.experts.module
+            setattr(self, spec.experts.module, SparseMoE(cfg.hidden_size, spec.experts, placement, dtype, rngs))
 
     def __call__(
         self, x: jax.Array, cache: LayerCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None
     ) -> tuple[jax.Array, LayerCache]:
         attn_out, cache = self.self_attn(self.input_layernorm(x), cache, meta, inv_freq, lora)
         x = x + attn_out
-        return x + self.mlp(self.post_attention_layernorm(x), lora), cache
+        normed = self.post_attention_layernorm(x)
+        if self.sparse:
+            return x + getattr(self, self.feed_forward_name)(normed, real_tokens(meta)), cache
+        return x + self.mlp(normed, lora), cache
 
 
 @functools.partial(jax.jit, static_argnums=0)

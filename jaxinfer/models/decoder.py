@@ -24,6 +24,7 @@ from jaxinfer.layers.kv_layout import KVLayout
 from jaxinfer.layers.lora import ZerosFn, slot_one_hot
 from jaxinfer.layers.rope import inverse_frequencies
 from jaxinfer.models.blocks import DecoderLayer, _run_layer
+from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement
 from jaxinfer.models.layer_kinds import FULL_ATTENTION, LayerSpec
 from jaxinfer.parallel.mesh import named_sharding
 
@@ -42,16 +43,17 @@ class DecoderStack(nnx.Module):
     """`model.*` of a checkpoint: the embedding, the layers (one spec each) and the final norm."""
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], backend: AttentionBackend, dtype: jnp.dtype,
-                 rngs: nnx.Rngs | None):
+                 rngs: nnx.Rngs | None, placement: ExpertPlacement):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, spec, backend, dtype, rngs) for spec in specs])
+        self.layers = nnx.List([DecoderLayer(cfg, spec, backend, dtype, rngs, placement) for spec in specs])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
 
 
 class CausalLM(nnx.Module):
     """Decoder with a paged KV cache; `__call__` runs one ragged batch, `logits` projects rows.
 
-    A family overrides `layer_spec` (what layer `index` of a checkpoint with `cfg` is)."""
+    A family overrides `layer_spec` (what layer `index` of a checkpoint with `cfg` is). `placement`: the
+    mesh axes a mixture-of-experts layer splits over (models/experts.py)."""
 
     def __init__(
         self,
@@ -60,13 +62,14 @@ class CausalLM(nnx.Module):
         dtype: jnp.dtype = jnp.float32,
         backend: AttentionBackend | None = None,
         rngs: nnx.Rngs | None = None,
+        placement: ExpertPlacement = ONE_DEVICE,
     ):
         self.config = cfg
         self.dtype = dtype
         self.lora_slots = 0  # adapter slots, slot 0 = none (add_lora_slots)
         self.base_vocab_size = cfg.vocab_size  # ids from here on were added (extend_vocabulary)
         self.layer_specs = tuple(self.layer_spec(cfg, i) for i in range(cfg.num_layers))
-        self.model = DecoderStack(cfg, self.layer_specs, backend or ReferenceAttention(), dtype, rngs)
+        self.model = DecoderStack(cfg, self.layer_specs, backend or ReferenceAttention(), dtype, rngs, placement)
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
@@ -130,10 +133,11 @@ class CausalLM(nnx.Module):
         self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def adaptable_linears(self, targets: tuple[str, ...]) -> dict[str, Linear]:
-        """The projections named in ``targets`` (q_proj ... down_proj), by their checkpoint prefix."""
+        """The projections named in ``targets`` (q_proj ... down_proj), by their checkpoint prefix; the
+        experts of a sparse layer are not adapted (its router and experts are not `Linear`s here)."""
         found = {}
         for i, layer in enumerate(self.model.layers):
-            for block_name, block in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+            for block_name, block in (("self_attn", layer.self_attn), ("mlp", getattr(layer, "mlp", None))):
                 for name in targets:
                     if isinstance(getattr(block, name, None), Linear):
                         found[f"model.layers.{i}.{block_name}.{name}"] = getattr(block, name)

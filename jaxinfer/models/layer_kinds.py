@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxinfer.models.experts import ExpertsSpec
+
 FULL_ATTENTION = "full_attention"  # every earlier token's KV, in pages of the shared pool
 LAYER_KINDS = (FULL_ATTENTION,)
 
@@ -25,10 +27,12 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its kind and its attention's variants (the MLP is the gated SiLU block)."""
+    """One decoder layer: its kind, its attention's variants, and its feed-forward block: the gated
+    SiLU MLP, or the sparse experts where `experts` is set (models/experts.py)."""
 
     kind: str = FULL_ATTENTION
     attention: AttentionSpec = AttentionSpec()
+    experts: ExpertsSpec | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:

@@ -1,4 +1,8 @@
-"""The ('data', 'model') device mesh and logical-axis rules for tensor parallelism.
+"""The ('data', 'expert', 'model') device mesh and logical-axis rules for tensor and expert parallelism.
+
+Each 'data' row is one replica. Within it, attention and dense weights split on 'model' and repeat
+along 'expert'; a mixture-of-experts layer splits its experts along 'expert' and each expert's
+width along 'model' (models/experts.py).
 
 Weights name their dimensions with logical axes ('vocab', 'embed', 'heads', 'kv_heads', 'mlp', ...).
 `RULES` maps each to a mesh axis; a dimension that the mesh axis does not divide evenly stays
@@ -15,13 +19,15 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.errors import ConfigError
 
-MESH_AXES = ("data", "model")
+MESH_AXES = ("data", "expert", "model")
 
 RULES: dict[str, str | None] = {
     "vocab": "model",
     "heads": "model",
     "kv_heads": "model",
     "mlp": "model",
+    "expert": "expert",
+    "moe_mlp": "model",
     "embed": None,
     "head_dim": None,
     "pages": None,
@@ -29,19 +35,21 @@ RULES: dict[str, str | None] = {
 }
 
 
-def make_mesh(data: int = 1, model: int = 0, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh of `data x model` devices; `model=0` takes every device left after `data`."""
+def make_mesh(data: int = 1, model: int = 0, devices: Sequence[jax.Device] | None = None, expert: int = 1) -> Mesh:
+    """A mesh of `data x expert x model` devices; `model=0` takes every device left after the others."""
     devices = list(devices if devices is not None else jax.devices())
-    if data <= 0 or model < 0:
-        raise ConfigError(f"mesh sizes must be positive, got data={data} model={model}")
+    if data <= 0 or model < 0 or expert <= 0:
+        raise ConfigError(f"mesh sizes must be positive, got data={data} expert={expert} model={model}")
     if model == 0:
-        if len(devices) % data:
-            raise ConfigError(f"mesh data={data} does not divide the {len(devices)} devices")
-        model = len(devices) // data
-    if data * model > len(devices):
-        raise ConfigError(f"mesh data={data} x model={model} needs {data * model} devices, have {len(devices)}")
-    grid = [devices[i * model : (i + 1) * model] for i in range(data)]
-    return Mesh(np.array(grid), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+        if len(devices) % (data * expert):
+            raise ConfigError(f"mesh data={data} x expert={expert} does not divide the {len(devices)} devices")
+        model = len(devices) // (data * expert)
+    needed = data * expert * model
+    if needed > len(devices):
+        raise ConfigError(f"mesh data={data} x expert={expert} x model={model} needs {needed} devices, "
+                          f"have {len(devices)}")
+    grid = np.array(devices[:needed], dtype=object).reshape(data, expert, model)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def replica_meshes(mesh: Mesh) -> list[Mesh]:

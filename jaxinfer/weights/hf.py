@@ -1,7 +1,9 @@
 """Hugging Face checkpoint folders: config.json and single or sharded *.safetensors.
 
 Tensors are yielded one at a time as (engine name, checkpoint name, array) in the engine's layout:
-linear weights are transposed from torch's [out, in] to [in, out].
+linear weights are transposed from torch's [out, in] to [in, out], and a sparse layer's experts
+(`...experts.{i}.gate_proj.weight`) are stacked into one [experts, in, out] tensor per projection,
+yielded once its last expert is read (at most the layers in flight are held on the host).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from safetensors import SafetensorError, safe_open
 from jaxinfer.config import ModelConfig, read_hf_config
 from jaxinfer.errors import CheckpointError, ConfigError
 
-_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
+_LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj|gate)\.weight$")
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.\w+\.experts)\.(\d+)\.(\w+)\.weight$")
+_STACKED = re.compile(r"^(.+\.experts)\.(\w+)$")
 
 
 def read_config(folder: Path) -> ModelConfig:
@@ -29,6 +33,9 @@ def read_config(folder: Path) -> ModelConfig:
 
 def checkpoint_name(name: str) -> str:
     """The tensor name a HF checkpoint uses for an engine parameter (inverse of `engine_name`)."""
+    stacked = _STACKED.match(name)
+    if stacked:
+        return f"{stacked.group(1)}.*.{stacked.group(2)}.weight"
     return name.removesuffix(".kernel") + ".weight" if name.endswith(".kernel") else name
 
 
@@ -59,7 +66,38 @@ def engine_name(hf_name: str) -> str:
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # safetensors' names; integer or FP8 tensors are quantized weights
 
 
-def iter_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+def iter_tensors(folder: Path, cfg: ModelConfig | None = None) -> Iterator[tuple[str, str, np.ndarray]]:
+    """Every tensor of the folder in the engine's layout; `cfg` gives the experts to stack per layer."""
+    experts = cfg.moe.num_experts if cfg is not None and cfg.moe is not None else 0
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, hf_name, array in _file_tensors(folder):
+        expert = _EXPERT.match(hf_name)
+        if expert is None:
+            yield name, hf_name, array
+            continue
+        yield from _stacked_when_complete(stacks, expert, array, experts, folder)
+    if stacks:
+        prefix, parts = next(iter(stacks.items()))
+        missing = sorted(set(range(experts)) - set(parts))[:5]
+        raise CheckpointError(f"{folder}: {prefix} lacks experts {missing} of {experts}")
+
+
+def _stacked_when_complete(stacks: dict[str, dict[int, np.ndarray]], expert: re.Match, array: np.ndarray,
+                           experts: int, folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+    """Keeps one expert's [in, out] tensor; yields the projection's stack when every expert is in."""
+    index = int(expert.group(2))
+    key = f"{expert.group(1)}.{expert.group(3)}"
+    if not 0 <= index < experts:
+        raise CheckpointError(f"{folder}: tensor {expert.group(0)} names expert {index}, but the config has "
+                              f"{experts} experts (num_experts / num_local_experts)")
+    parts = stacks.setdefault(key, {})
+    parts[index] = np.ascontiguousarray(array.T)
+    if len(parts) == experts:
+        del stacks[key]
+        yield key, f"{expert.group(1)}.*.{expert.group(3)}.weight", np.stack([parts[i] for i in range(experts)])
+
+
+def _file_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="numpy") as f:
@@ -70,7 +108,7 @@ def iter_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
                                               f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
                     array = f.get_tensor(hf_name)
                     name = engine_name(hf_name)
-                    if name.endswith(".kernel"):
+                    if name.endswith(".kernel") and not _EXPERT.match(hf_name):  # experts: when stacked
                         array = np.ascontiguousarray(array.T)
                     yield name, hf_name, array
         except SafetensorError as exc:

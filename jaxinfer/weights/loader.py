@@ -25,6 +25,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError
 from jaxinfer.layers.attention import AttentionBackend
 from jaxinfer.models import CausalLM, model_class
+from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement
 from jaxinfer.parallel import named_sharding
 from jaxinfer.parallel.transfer import to_devices
 from jaxinfer.weights import gguf_file as gguf_names
@@ -42,9 +43,12 @@ class LoadedModel:
     checkpoint: ResolvedCheckpoint
 
 
-def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, backend: AttentionBackend | None) -> CausalLM:
+def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, backend: AttentionBackend | None,
+                   mesh: Mesh | None = None) -> CausalLM:
+    """The model's tree without memory; its sparse layers split over `mesh`'s expert and model axes."""
     cls = model_class(cfg.architecture)
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, backend=backend, rngs=None))
+    placement = ExpertPlacement(mesh.shape["expert"], mesh.shape["model"]) if mesh is not None else ONE_DEVICE
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, backend=backend, rngs=None, placement=placement))
 
 
 def parameters(model: nnx.Module) -> dict[str, nnx.Param]:
@@ -127,13 +131,13 @@ def load_model(
         names: Callable[[str], str] = gguf_names.checkpoint_name
     elif checkpoint.kind == "hf":
         cfg = hf.read_config(checkpoint.path)
-        tensors, names = hf.iter_tensors(checkpoint.path), hf.checkpoint_name
+        tensors, names = hf.iter_tensors(checkpoint.path, cfg), hf.checkpoint_name
     elif checkpoint.kind == "random":  # a model shape for benchmarks: config.json, no weights
         cfg = hf.read_config(checkpoint.path)
         return LoadedModel(cfg, random_model(cfg, mesh, dtype, backend), checkpoint)
     else:
         cfg = orbax_io.read_config(checkpoint.path)
-        model = abstract_model(cfg, dtype, backend)
+        model = abstract_model(cfg, dtype, backend, mesh)
         shared = orbax_io.from_target(checkpoint.path)
         if shared and target is None:
             raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
@@ -143,7 +147,7 @@ def load_model(
         tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, stored, mesh),
                                   _target_tensors(shared, target, params, source))
         return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
-    model = fill(abstract_model(cfg, dtype, backend), tensors, mesh, source, names)
+    model = fill(abstract_model(cfg, dtype, backend, mesh), tensors, mesh, source, names)
     return LoadedModel(cfg, model, checkpoint)
 
 
@@ -190,7 +194,7 @@ def random_model(
     cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None = None, seed: int = 0
 ) -> CausalLM:
     """A model with N(0, 0.02) weights generated directly on device with their shardings (benchmarks)."""
-    model = abstract_model(cfg, dtype, backend)
+    model = abstract_model(cfg, dtype, backend, mesh)
     key = jax.random.key(seed)
 
     def tensors():

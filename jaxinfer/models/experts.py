@@ -1,0 +1,107 @@
+"""The sparse mixture-of-experts block: a router and stacked experts, split over the mesh's expert
+axis (expert parallelism) and each expert's width over its model axis.
+
+Parameters mirror the checkpoint's names with the experts stacked: Qwen3-MoE's
+`mlp.experts.{i}.gate_proj.weight` become `mlp.experts.gate_proj` [E, hidden, width] (Mixtral:
+`block_sparse_moe.experts.w1`), loaded by weights/hf.py. The router (`gate`) is a plain linear.
+
+Under expert parallelism every device of a replica holds every token (attention repeats along the
+expert axis), so no token is sent anywhere: each device runs the pairs routed to its own experts,
+and one all-reduce (`psum`) over the expert and model axes sums each token's partial outputs. Its
+bytes per token are counted against the all-to-all minimum by `tools/bench.py moe`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import AbstractMesh, AxisType, PartitionSpec
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.layers.basic import Linear, initial_weights
+from jaxinfer.layers.moe import local_experts, resolve_matmul, route
+from jaxinfer.parallel.mesh import MESH_AXES
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """A family's sparse block: its module name, its experts' projection names (gate, up, down), and
+    the routing (models/layer_kinds.LayerSpec.experts)."""
+
+    module: str
+    projections: tuple[str, str, str]
+    num_experts: int
+    top_k: int
+    width: int
+    renormalize: bool
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """The replica mesh's expert and model axis sizes, and which grouped matmul runs (layers/moe.py)."""
+
+    expert: int = 1
+    model: int = 1
+    matmul: str = "auto"
+
+
+ONE_DEVICE = ExpertPlacement()
+
+
+class StackedExperts(nnx.Module):
+    """Every expert's gated SiLU MLP, stacked on a leading expert axis."""
+
+    def __init__(self, hidden: int, spec: ExpertsSpec, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+        e, w = spec.num_experts, spec.width
+        into, out_of = ("expert", "embed", "moe_mlp"), ("expert", "moe_mlp", "embed")
+        for name, shape, axes in zip(spec.projections, ((e, hidden, w), (e, hidden, w), (e, w, hidden)),
+                                     (into, into, out_of), strict=True):
+            setattr(self, name, nnx.Param(initial_weights(rngs, shape, dtype), logical_axes=axes))
+        self.projections = spec.projections
+
+    def weights(self) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return tuple(getattr(self, name)[...] for name in self.projections)
+
+
+class SparseMoE(nnx.Module):
+    """x -> the routed experts' weighted sum, dropless (layers/moe.py)."""
+
+    def __init__(self, hidden: int, spec: ExpertsSpec, placement: ExpertPlacement, dtype: jnp.dtype,
+                 rngs: nnx.Rngs | None):
+        if spec.num_experts % placement.expert:
+            raise ConfigError(f"engine.mesh_expert = {placement.expert} does not divide the model's "
+                              f"{spec.num_experts} experts")
+        self.gate = Linear(hidden, spec.num_experts, ("embed", None), dtype=dtype, rngs=rngs)
+        self.experts = StackedExperts(hidden, spec, dtype, rngs)
+        self.top_k, self.renormalize = spec.top_k, spec.renormalize
+        self.placement = placement
+        # the width splits over the model axis where the axis divides it (mesh.spec_for's rule)
+        self.width_split = placement.model > 1 and spec.width % placement.model == 0
+
+    def __call__(self, x: jax.Array, real: jax.Array) -> jax.Array:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        matmul = resolve_matmul(self.placement.matmul)
+        gate, up, down = self.experts.weights()
+        if self.placement.expert * self.placement.model == 1:
+            return local_experts(x, weights, ids, real, 0, gate, up, down, matmul).astype(x.dtype)
+        return self._on_each_device(x, weights, ids, real, gate, up, down, matmul).astype(x.dtype)
+
+    def _on_each_device(self, x, weights, ids, real, gate, up, down, matmul: str) -> jax.Array:
+        """`shard_map` over the replica's (1, expert, model) mesh: a device's experts and width slice."""
+        width = "model" if self.width_split else None
+        summed = ("expert", "model") if self.width_split else ("expert",)
+        per_expert = gate.shape[0] // self.placement.expert
+        mesh = AbstractMesh((1, self.placement.expert, self.placement.model), MESH_AXES,
+                            axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+        def one_device(x, weights, ids, real, gate, up, down):
+            first = jax.lax.axis_index("expert") * per_expert
+            return jax.lax.psum(local_experts(x, weights, ids, real, first, gate, up, down, matmul), summed)
+
+        wide, narrow = PartitionSpec("expert", None, width), PartitionSpec("expert", width, None)
+        every = PartitionSpec()
+        return jax.shard_map(one_device, mesh=mesh, in_specs=(every, every, every, every, wide, wide, narrow),
+                             out_specs=every, check_vma=False)(x, weights, ids, real, gate, up, down)
