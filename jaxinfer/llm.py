@@ -172,9 +172,13 @@ class LLM:
         checkpoint = resolve(model)
         gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
         backend = make_backend(cfg.attention_backend, block_tokens=cfg.attention_block_tokens,
-                               query_tile=cfg.attention_query_tile, model_parallel=self.mesh.shape["model"])
+                               query_tile=cfg.attention_query_tile, model_parallel=self.mesh.shape["model"],
+                               expert_parallel=self.mesh.shape["expert"])
         meshes = replica_meshes(self.mesh)
         loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file)
+        if cfg.mesh_expert > 1 and loaded.config.moe is None:
+            raise ConfigError(f"engine.mesh_expert = {cfg.mesh_expert}: {checkpoint.name} has no experts to split "
+                              "(a dense model runs on the model axis; set mesh_expert = 1)")
         self.model_config = loaded.config
         self.tokenizer = (
             tokenizers_.from_gguf(gguf_file) if gguf_file is not None else tokenizers_.load(checkpoint.path)

@@ -24,10 +24,15 @@ def backend_name(name: str, platform: str | None = None) -> str:
 
 
 def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
-                 platform: str | None = None) -> AttentionBackend:
-    """The backend for a replica whose mesh has `model_parallel` devices on its model axis."""
+                 platform: str | None = None, expert_parallel: int = 1) -> AttentionBackend:
+    """The backend for a replica whose mesh has `model_parallel` devices on its model axis (and
+    `expert_parallel` on its expert axis, which only the reference backend runs beside yet)."""
     platform = platform or jax.default_backend()
     name = backend_name(name, platform)
+    if expert_parallel > 1 and name != "reference":
+        raise ConfigError(f"engine.attention_backend = {name} beside engine.mesh_expert = {expert_parallel} is not "
+                          "supported yet (its kernel runs in shard_map over the data and model axes only); use "
+                          "attention_backend = reference")
     needed = KERNEL_PLATFORMS.get(name)
     if needed is not None and needed != platform:
         raise ConfigError(f"engine.attention_backend = {name} compiles only for {needed.upper()}s, and this "

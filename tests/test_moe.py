@@ -1,0 +1,305 @@
+"""Mixture-of-experts models (models/experts.py, layers/moe.py).
+
+- Parity with transformers on tiny random Qwen3-MoE (with a dense layer among the sparse ones, and
+  without the top-k renormalisation) and Mixtral models: every position's logits through the paged
+  cache, whole and chunked prefill, greedy decode; the prompt's routing reaches every expert and a
+  decode token's leaves some empty.
+- The engine end to end: batched, chunked requests give transformers' greedy tokens.
+- The grouped matmuls (tiled loop, `ragged_dot`) against the dense all-experts einsum, and routing
+  edge cases: ties, every token to one expert, an empty bucket, a device's share of the experts.
+- Expert parallelism on 1, 2 and 4 CPU devices, alone and with the model axis, through the harness,
+  the engine and an orbax round trip that restores each device's experts only (a child process).
+- Refusals: a mesh that would split an expert, attention kernels beside the expert axis, an expert
+  axis for a dense model, shared experts, an adapter that targets experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from conftest import llama3_tokenizer_json  # noqa: E402
+from harness import PagedForward  # noqa: E402
+
+from jaxinfer.config import ModelConfig  # noqa: E402
+from jaxinfer.errors import ConfigError  # noqa: E402
+from jaxinfer.layers.backends import make_backend  # noqa: E402
+from jaxinfer.layers.moe import dense_experts, local_experts, route, tile_rows  # noqa: E402
+from jaxinfer.parallel import make_mesh  # noqa: E402
+from jaxinfer.weights.loader import abstract_model, load_model  # noqa: E402
+
+ATOL = 1e-4
+PROMPT_LEN = 40
+TINY = dict(hidden_size=64, intermediate_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+            num_experts_per_tok=2, initializer_range=0.1, attn_implementation="eager")
+CASES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=8, moe_intermediate_size=16, norm_topk_prob=True, mlp_only_layers=[1], head_dim=16)),
+    "qwen3_moe_unnormalized": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                               dict(num_experts=8, moe_intermediate_size=16, norm_topk_prob=False, head_dim=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4)),
+}
+
+
+def build_hf(name: str, folder: Path, vocab_size: int = 384, seed: int = 0, **extra: Any) -> Any:
+    config_cls, model_cls, overrides = CASES[name]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_cls)(vocab_size=vocab_size, **TINY, **{**overrides, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():  # norms start as ones in HF: make them non-trivial
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.copy_(torch.rand(param.shape) + 0.5)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    built: dict[str, tuple[Any, Any]] = {}
+
+    def get(name: str):
+        if name not in built:
+            folder = tmp_path_factory.mktemp(name)
+            hf = build_hf(name, folder)
+            built[name] = hf, load_model(folder, make_mesh(1, 1, devices=jax.devices()[:1]), jnp.float32)
+        return built[name]
+
+    return get
+
+
+def run_paged(model, prompt: list[int], chunks: tuple[int, ...], steps: int = 6) -> tuple[np.ndarray, list[int]]:
+    fwd = PagedForward(model, page_size=8)
+    rows, start = [], 0
+    for n in chunks:
+        rows.append(fwd.run(prompt[start:start + n], start))
+        start += n
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(np.argmax(rows[-1][-1])))
+        rows.append(fwd.run(tokens[-1:], len(tokens) - 1))
+    return np.concatenate(rows), tokens
+
+
+def test_the_configs_parse_into_the_experts_they_declare(families):
+    qwen = families("qwen3_moe")[1].config.moe
+    assert (qwen.num_experts, qwen.top_k, qwen.intermediate_size, qwen.sparse_layers, qwen.renormalize) == (
+        8, 2, 16, (0, 2), True)
+    assert families("qwen3_moe_unnormalized")[1].config.moe.renormalize is False
+    mixtral = families("mixtral")[1].config.moe
+    assert (mixtral.num_experts, mixtral.intermediate_size, mixtral.sparse_layers) == (4, 32, (0, 1, 2))
+    layers = families("qwen3_moe")[1].model.model.layers
+    assert [layer.sparse for layer in layers] == [True, False, True]
+    assert ModelConfig.from_dict(families("mixtral")[1].config.to_dict()) == families("mixtral")[1].config
+
+
+@pytest.mark.parametrize("chunks", [(PROMPT_LEN,), (17, 23)], ids=["prefill", "chunked-17-23"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_match_transformers(families, name, chunks):
+    hf, loaded = families(name)
+    prompt = np.random.default_rng(3).integers(0, 384, PROMPT_LEN).tolist()
+    ours, tokens = run_paged(loaded.model, prompt, chunks)
+    with torch.no_grad():
+        out = hf(torch.tensor([tokens]), use_cache=False, output_router_logits=True)
+    theirs = out.logits[0].numpy()
+    diff = float(np.abs(ours - theirs).max())
+    assert diff < ATOL, f"{name} {chunks}: max |logit diff| {diff:.2e}"
+    assert (ours.argmax(-1) == theirs.argmax(-1)).all()
+    experts = loaded.config.moe.num_experts
+    first_layer = out.router_logits[0].reshape(len(tokens), experts)
+    routed = torch.topk(first_layer, loaded.config.moe.top_k, dim=-1).indices.numpy()
+    assert len(set(routed[:PROMPT_LEN].ravel())) == experts, "the prompt reaches every expert"
+    assert len(set(routed[-1].ravel())) < experts, "a decode token leaves experts without tokens"
+
+
+def random_experts(tokens: int, experts: int = 8, hidden: int = 32, width: int = 24, seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 5)
+    x = jax.random.normal(keys[0], (tokens, hidden))
+    router = jax.random.normal(keys[1], (hidden, experts))
+    gate, up = (jax.random.normal(k, (experts, hidden, width)) * 0.2 for k in keys[2:4])
+    down = jax.random.normal(keys[4], (experts, width, hidden)) * 0.2
+    return x, x @ router, gate, up, down
+
+
+def all_matmuls(x, weights, ids, gate, up, down, real=None):
+    real = jnp.ones(x.shape[0], bool) if real is None else real
+    return {matmul: np.asarray(jax.jit(local_experts, static_argnames="matmul")(
+        x, weights, ids, real, 0, gate, up, down, matmul=matmul)) for matmul in ("tiled", "ragged_dot")}
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300])
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_both_grouped_matmuls_equal_the_dense_einsum(tokens, top_k):
+    x, logits, gate, up, down = random_experts(tokens, seed=tokens)
+    weights, ids = route(logits, top_k, renormalize=True)
+    dense = np.asarray(dense_experts(x, weights, ids, gate, up, down))
+    for matmul, out in all_matmuls(x, weights, ids, gate, up, down).items():
+        np.testing.assert_allclose(out, dense, atol=2e-5, rtol=1e-5, err_msg=matmul)
+
+
+def test_tied_router_scores_pick_the_lower_expert_ids():
+    x, _, gate, up, down = random_experts(6)
+    weights, ids = route(jnp.zeros((6, 8)), 3, renormalize=True)
+    assert (np.asarray(ids) == [0, 1, 2]).all() and np.allclose(weights, 1 / 3)
+    dense = np.asarray(dense_experts(x, weights, ids, gate, up, down))
+    for matmul, out in all_matmuls(x, weights, ids, gate, up, down).items():
+        np.testing.assert_allclose(out, dense, atol=2e-5, err_msg=matmul)
+
+
+def test_every_token_to_one_expert_is_one_long_group():
+    tokens = 100  # with top 1, one group of 100 rows: several tiles of one expert, seven empty groups
+    x, logits, gate, up, down = random_experts(tokens)
+    weights, ids = route(logits.at[:, 5].add(1e3), 1, renormalize=False)
+    assert (np.asarray(ids) == 5).all() and tokens > tile_rows(tokens, 8)
+    dense = np.asarray(dense_experts(x, weights, ids, gate, up, down))
+    for matmul, out in all_matmuls(x, weights, ids, gate, up, down).items():
+        np.testing.assert_allclose(out, dense, atol=2e-5, err_msg=matmul)
+
+
+def test_padding_and_an_empty_bucket_compute_nothing():
+    x, logits, gate, up, down = random_experts(16)
+    weights, ids = route(logits, 2, renormalize=True)
+    real = jnp.arange(16) < 9
+    dense = np.asarray(dense_experts(x[:9], weights[:9], ids[:9], gate, up, down))
+    for matmul, out in all_matmuls(x, weights, ids, gate, up, down, real).items():
+        np.testing.assert_allclose(out[:9], dense, atol=2e-5, err_msg=matmul)
+        assert not out[9:].any(), matmul
+    for matmul, out in all_matmuls(x, weights, ids, gate, up, down, jnp.zeros(16, bool)).items():
+        assert not out.any(), matmul
+
+
+def test_the_devices_shares_of_the_experts_sum_to_the_whole():
+    x, logits, gate, up, down = random_experts(40)
+    weights, ids = route(logits, 2, renormalize=True)
+    real = jnp.ones(40, bool)
+    whole = np.asarray(dense_experts(x, weights, ids, gate, up, down))
+    for matmul in ("tiled", "ragged_dot"):
+        parts = [local_experts(x, weights, ids, real, first, gate[first:first + 2], up[first:first + 2],
+                               down[first:first + 2], matmul) for first in range(0, 8, 2)]
+        assert all(np.abs(np.asarray(part)).sum() > 0 for part in parts)
+        np.testing.assert_allclose(np.asarray(sum(parts)), whole, atol=2e-5, err_msg=matmul)
+
+
+@pytest.fixture(scope="module")
+def served_folder(tmp_path_factory) -> tuple[Path, Any]:
+    """A Qwen3-MoE with the Llama-3 vocabulary and its tokenizer: what the engine and server load."""
+    folder = tmp_path_factory.mktemp("qwen3_moe_served")
+    hf = build_hf("qwen3_moe", folder, vocab_size=128_256, tie_word_embeddings=True)
+    shutil.copyfile(llama3_tokenizer_json(), folder / "tokenizer.json")
+    return folder, hf
+
+
+def test_the_engine_gives_transformers_greedy_tokens_batched_and_chunked(served_folder):
+    from jaxinfer import LLM, SamplingParams
+
+    folder, hf = served_folder
+    llm = LLM(str(folder), max_seqs=4, num_pages=64, page_size=8, token_buckets=(4, 16), compile_guard="raise")
+    prompts = [np.random.default_rng(i).integers(0, 128_000, n).tolist() for i, n in enumerate((5, 23, 37))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            expected = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+        assert output.token_ids == expected
+    assert llm.runner.compiles_after_warmup == 0
+
+
+def test_a_mesh_that_would_split_an_expert_is_refused():
+    cfg = ModelConfig.from_dict({"architecture": "mixtral", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 8,
+                                 "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "head_dim": 8,
+                                 "moe": {"num_experts": 4, "top_k": 2, "intermediate_size": 8,
+                                         "sparse_layers": [0]}})
+    mesh = jax.sharding.AbstractMesh((1, 3, 1), ("data", "expert", "model"))
+    with pytest.raises(ConfigError, match=r"engine.mesh_expert = 3 does not divide the model's 4 experts"):
+        abstract_model(cfg, jnp.float32, None, mesh)
+
+
+def test_attention_kernels_beside_the_expert_axis_are_refused():
+    with pytest.raises(ConfigError, match=r"attention_backend = ragged_reference beside engine.mesh_expert = 2"):
+        make_backend("ragged_reference", block_tokens=64, query_tile=16, expert_parallel=2)
+    assert make_backend("auto", block_tokens=64, query_tile=16, expert_parallel=2, platform="cpu")
+
+
+def test_shared_experts_and_bad_expert_counts_name_the_field():
+    base = dict(model_type="qwen3_moe", vocab_size=64, hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+                num_attention_heads=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+    with pytest.raises(ConfigError, match="shared_expert_intermediate_size"):
+        ModelConfig.from_hf({**base, "shared_expert_intermediate_size": 32})
+    with pytest.raises(ConfigError, match=r"num_experts_per_tok \(5\) exceeds the number of experts \(4\)"):
+        ModelConfig.from_hf({**base, "num_experts_per_tok": 5})
+    with pytest.raises(ConfigError, match="lacks the field 'num_experts'"):
+        ModelConfig.from_hf({k: v for k, v in base.items() if k != "num_experts"})
+
+
+CHILD = r"""
+import json, sys
+import numpy as np, jax, jax.numpy as jnp
+sys.path.insert(0, sys.argv[1])
+from harness import PagedForward
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.parallel import make_mesh
+from jaxinfer.weights import orbax_io
+from jaxinfer.weights.loader import load_model, parameters
+
+folder, orbax_folder = sys.argv[2], sys.argv[3]
+assert len(jax.devices()) == 4, jax.devices()
+prompt = np.random.default_rng(0).integers(0, 128_000, 30).tolist()
+EXPERTS = "model.layers.0.mlp.experts.gate_proj"
+
+def harness_logits(model):
+    fwd = PagedForward(model, page_size=8)
+    return np.concatenate([fwd.run(prompt[:13], 0), fwd.run(prompt[13:], 13)])
+
+report = {}
+reference = None
+for expert, model_axis in [(1, 1), (2, 1), (4, 1), (2, 2)]:
+    mesh = make_mesh(1, model_axis, devices=jax.devices()[:expert * model_axis], expert=expert)
+    loaded = load_model(folder, mesh, jnp.float32)
+    logits = harness_logits(loaded.model)
+    reference = logits if reference is None else reference
+    shard = parameters(loaded.model)[EXPERTS].get_value().addressable_shards[0].data.shape
+    llm = LLM(folder, mesh_expert=expert, mesh_model=model_axis, max_seqs=4, num_pages=64, page_size=8,
+              token_buckets=(4, 16), compile_guard="raise")
+    prompts = [prompt[:n] for n in (7, 30)]
+    tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))]
+    report[f"{expert}x{model_axis}"] = dict(diff=float(np.abs(logits - reference).max()), shard=list(shard),
+                                           tokens=tokens, compiles=llm.runner.compiles_after_warmup)
+    if expert == 1 and model_axis == 1:
+        orbax_io.save(__import__("pathlib").Path(orbax_folder), loaded.config, parameters(loaded.model),
+                      dtype="float32", source="test")
+restored = load_model(orbax_folder, make_mesh(1, 1, expert=4), jnp.float32)
+value = parameters(restored.model)[EXPERTS].get_value()
+report["orbax"] = dict(diff=float(np.abs(harness_logits(restored.model) - reference).max()),
+                       shards=sorted({tuple(s.data.shape) for s in value.addressable_shards}),
+                       spec=str(value.sharding.spec))
+print("REPORT " + json.dumps(report))
+"""
+
+
+def test_expert_parallel_runs_equal_one_device(served_folder, tmp_path):
+    folder, _ = served_folder
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    argv = [os.path.dirname(__file__), str(folder), str(tmp_path / "orbax")]
+    done = subprocess.run([sys.executable, "-c", CHILD, *argv], env=env, capture_output=True, text=True, timeout=900)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("REPORT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    report = json.loads(lines[0].removeprefix("REPORT "))
+    one = report["1x1"]
+    for name, shard in {"1x1": [8, 64, 16], "2x1": [4, 64, 16], "4x1": [2, 64, 16], "2x2": [4, 64, 8]}.items():
+        run = report[name]
+        assert run["diff"] < 1e-5 and run["tokens"] == one["tokens"] and run["compiles"] == 0, (name, run)
+        assert run["shard"] == shard, name
+    assert report["orbax"]["diff"] < 1e-5 and report["orbax"]["shards"] == [[2, 64, 16]], report["orbax"]
