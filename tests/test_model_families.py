@@ -10,7 +10,14 @@ from flax import nnx
 
 from jaxinfer.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from jaxinfer.errors import CheckpointError
-from jaxinfer.models import LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, model_class
+from jaxinfer.models import (
+    LlamaForCausalLM,
+    MixtralForCausalLM,
+    Qwen2ForCausalLM,
+    Qwen3ForCausalLM,
+    Qwen3MoeForCausalLM,
+    model_class,
+)
 from jaxinfer.models.layer_kinds import FULL_ATTENTION, LayerSpec
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4, num_kv_heads=2,
@@ -24,7 +31,8 @@ def build(architecture: str, **flags):
 
 def test_every_supported_architecture_has_its_family_class():
     classes = {name: model_class(name) for name in SUPPORTED_ARCHITECTURES}
-    assert classes == {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM}
+    assert classes == {"llama": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+                       "qwen3_moe": Qwen3MoeForCausalLM, "mixtral": MixtralForCausalLM}
     with pytest.raises(CheckpointError, match="unknown architecture 'gemma3'"):
         model_class("gemma3")
 

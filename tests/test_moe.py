@@ -9,6 +9,8 @@
   edge cases: ties, every token to one expert, an empty bucket, a device's share of the experts.
 - Expert parallelism on 1, 2 and 4 CPU devices, alone and with the model axis, through the harness,
   the engine and an orbax round trip that restores each device's experts only (a child process).
+- GGUF files in llama.cpp's layout (`qwen3moe`; `llama` with experts for Mixtral) load to the same
+  logits as transformers.
 - Refusals: a mesh that would split an expert, attention kernels beside the expert axis, an expert
   axis for a dense model, shared experts, an adapter that targets experts.
 """
@@ -23,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,7 +42,8 @@ from jaxinfer.errors import ConfigError  # noqa: E402
 from jaxinfer.layers.backends import make_backend  # noqa: E402
 from jaxinfer.layers.moe import dense_experts, local_experts, route, tile_rows  # noqa: E402
 from jaxinfer.parallel import make_mesh  # noqa: E402
-from jaxinfer.weights.loader import abstract_model, load_model  # noqa: E402
+from jaxinfer.weights.gguf_file import checkpoint_name as gguf_name  # noqa: E402
+from jaxinfer.weights.loader import LoadedModel, abstract_model, load_model, parameters  # noqa: E402
 
 ATOL = 1e-4
 PROMPT_LEN = 40
@@ -123,6 +127,66 @@ def test_logits_match_transformers(families, name, chunks):
     routed = torch.topk(first_layer, loaded.config.moe.top_k, dim=-1).indices.numpy()
     assert len(set(routed[:PROMPT_LEN].ravel())) == experts, "the prompt reaches every expert"
     assert len(set(routed[-1].ravel())) < experts, "a decode token leaves experts without tokens"
+
+
+def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter's q/k row order for `llama` files: halves -> interleaved pairs."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
+        weight.shape)
+
+
+def write_gguf(loaded: LoadedModel, path: Path) -> Path:
+    """The loaded model as llama.cpp writes it: its names, [out, in] matrices, stacked experts, and for
+    `llama` (Mixtral) the q/k rows permuted. F32 tensors, so the numbers are the checkpoint's."""
+    cfg = loaded.config
+    arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.architecture]
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in {"block_count": cfg.num_layers, "embedding_length": cfg.hidden_size,
+                       "feed_forward_length": cfg.intermediate_size, "attention.head_count": cfg.num_heads,
+                       "attention.head_count_kv": cfg.num_kv_heads, "attention.key_length": cfg.head_dim,
+                       "context_length": 512, "expert_count": cfg.moe.num_experts,
+                       "expert_used_count": cfg.moe.top_k}.items():
+        writer.add_uint32(f"{arch}.{key}", value)
+    if arch == "qwen3moe":
+        writer.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe.intermediate_size)
+        writer.add_bool(f"{arch}.expert_weights_norm", cfg.moe.renormalize)
+    writer.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", cfg.rms_norm_eps)
+    writer.add_float32(f"{arch}.rope.freq_base", cfg.rope_theta)
+    tokens = [f"t{i}" for i in range(cfg.vocab_size)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([])
+    for name, param in parameters(loaded.model).items():
+        array = np.asarray(param.get_value())
+        array = array.T if array.ndim == 2 and name.endswith(".kernel") else array
+        array = array.swapaxes(1, 2) if array.ndim == 3 else array
+        if arch == "llama" and name.endswith(("q_proj.kernel", "k_proj.kernel")):
+            array = permute_rows(array, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
+        writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_a_gguf_in_llama_cpp_s_layout_gives_transformers_logits(families, name, tmp_path):
+    hf, loaded = families(name)
+    path = write_gguf(loaded, tmp_path / f"{name}.gguf")
+    names = {tensor.name for tensor in gguf.GGUFReader(str(path)).tensors}
+    expected = {gguf.TENSOR_NAMES[t].format(bid=0) + ".weight" for t in (
+        gguf.MODEL_TENSOR.FFN_GATE_INP, gguf.MODEL_TENSOR.FFN_GATE_EXP, gguf.MODEL_TENSOR.FFN_UP_EXP,
+        gguf.MODEL_TENSOR.FFN_DOWN_EXP)}
+    assert expected <= names
+    from_gguf = load_model(path, make_mesh(1, 1, devices=jax.devices()[:1]), jnp.float32)
+    assert from_gguf.config.architecture == name and from_gguf.config.moe == loaded.config.moe
+    prompt = np.random.default_rng(5).integers(0, 384, PROMPT_LEN).tolist()
+    ours, tokens = run_paged(from_gguf.model, prompt, (17, 23))
+    with torch.no_grad():
+        theirs = hf(torch.tensor([tokens]), use_cache=False).logits[0].numpy()
+    assert float(np.abs(ours - theirs).max()) < ATOL
 
 
 def random_experts(tokens: int, experts: int = 8, hidden: int = 32, width: int = 24, seed: int = 0):

@@ -3,6 +3,11 @@
 llama.cpp's converter permutes the rows of Q and K for `llama` architecture files so that its
 RoPE kernel can rotate interleaved pairs; the engine (like transformers) rotates halves, so that
 permutation is undone here. Qwen2/Qwen3 files are written unpermuted.
+
+Mixture-of-experts files (llama.cpp's `qwen3moe`, and `llama` with an expert count: Mixtral) keep
+each sparse layer's experts stacked (`blk.N.ffn_gate_exps.weight`, [experts, out, in] in numpy
+order) beside the router (`ffn_gate_inp`); they map onto the family's stacked experts
+(models/experts.py) with the last two axes swapped.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxinfer.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
+from jaxinfer.models import model_class
+from jaxinfer.moe_config import MoEConfig
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -41,6 +48,11 @@ _GLOBAL_NAMES = {
     "output.weight": "lm_head.kernel",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}  # and mixtral
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": 0, "ffn_up_exps.weight": 1, "ffn_down_exps.weight": 2}  # projection
+_ROUTER = "ffn_gate_inp.weight"
+_PROJECTION_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+_STACKED = re.compile(r"^model\.layers\.(\d+)\.\w+\.(?:experts\.(\w+)|gate\.kernel)$")
 READ_BY_CONFIG = ("rope_freqs.weight",)  # tensors that are settings, not parameters
 
 
@@ -54,7 +66,11 @@ def engine_name(gguf_name: str) -> str | None:
 
 
 def checkpoint_name(name: str) -> str:
-    """The GGUF tensor name for an engine parameter (inverse of `engine_name`)."""
+    """The GGUF tensor name for an engine parameter (inverse of `engine_name` and `expert_name`)."""
+    stacked = _STACKED.match(name)
+    if stacked:
+        part = _PROJECTION_PART.get(stacked.group(2) or "")
+        return f"blk.{stacked.group(1)}." + (f"ffn_{part}_exps.weight" if part else _ROUTER)
     for gguf_name, ours in _GLOBAL_NAMES.items():
         if ours == name:
             return gguf_name
@@ -63,6 +79,21 @@ def checkpoint_name(name: str) -> str:
         if match and ours == match.group(2):
             return f"blk.{match.group(1)}.{gguf_suffix}"
     return name
+
+
+def expert_name(gguf_name: str, cfg: ModelConfig) -> str | None:
+    """The engine parameter of a sparse layer's router or stacked experts (None: not one of them)."""
+    match = _BLOCK.match(gguf_name)
+    if cfg.moe is None or not match or (match.group(2) not in _EXPERT_TENSORS and match.group(2) != _ROUTER):
+        return None
+    layer = int(match.group(1))
+    experts = model_class(cfg.architecture).layer_spec(cfg, layer).experts if layer < cfg.num_layers else None
+    if experts is None:
+        return None
+    prefix = f"model.layers.{layer}.{experts.module}"
+    if match.group(2) == _ROUTER:
+        return f"{prefix}.gate.kernel"
+    return f"{prefix}.experts.{experts.projections[_EXPERT_TENSORS[match.group(2)]]}"
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -121,9 +152,9 @@ class GGUFCheckpoint:
 
     def config(self) -> ModelConfig:
         arch = self.architecture
-        if arch not in SUPPORTED_ARCHITECTURES:
+        if arch not in GGUF_ARCHITECTURES:
             raise CheckpointError(
-                f"{self.path}: unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{self.path}: unknown architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
             )
 
         def meta(key: str, default: Any = None) -> Any:
@@ -149,9 +180,10 @@ class GGUFCheckpoint:
         if rope_factors is not None and len(rope_factors) != head_dim // 2:
             raise CheckpointError(f"{self.path}: tensor rope_freqs.weight has {len(rope_factors)} values, expected "
                                   f"{head_dim // 2} (head_dim / 2)")
+        moe = self._experts(arch, int(meta("block_count")), int(meta("feed_forward_length")))
         try:
             return ModelConfig(
-                architecture=arch,
+                architecture="mixtral" if arch == "llama" and moe else GGUF_ARCHITECTURES[arch],
                 vocab_size=int(self.field(f"{arch}.vocab_size") or len(tokens)),
                 hidden_size=hidden,
                 intermediate_size=int(meta("feed_forward_length")),
@@ -168,7 +200,25 @@ class GGUFCheckpoint:
                 qk_norm="blk.0.attn_q_norm.weight" in self.tensor_names,
                 bos_token_id=self.field("tokenizer.ggml.bos_token_id"),
                 eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
+                moe=moe,
             )
+        except ConfigError as exc:
+            raise CheckpointError(f"{self.path}: {exc}") from None
+
+    def _experts(self, arch: str, num_layers: int, dense_width: int) -> MoEConfig | None:
+        """The experts `{arch}.expert_count` declares: the sparse layers are those with a router."""
+        count = int(self.field(f"{arch}.expert_count", 0) or 0)
+        if not count:
+            return None
+        used = self.field(f"{arch}.expert_used_count")
+        if used is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata has {arch}.expert_count but lacks "
+                                  f"{arch}.expert_used_count")
+        sparse = tuple(i for i in range(num_layers) if f"blk.{i}.{_ROUTER}" in self.tensor_names)
+        try:
+            return MoEConfig(num_experts=count, top_k=int(used), sparse_layers=sparse,
+                             intermediate_size=int(self.field(f"{arch}.expert_feed_forward_length", dense_width)),
+                             renormalize=bool(self.field(f"{arch}.expert_weights_norm", True)))
         except ConfigError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
 
@@ -200,7 +250,7 @@ class GGUFCheckpoint:
 
     def iter_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, str, np.ndarray]]:
         for tensor in self.reader.tensors:
-            name = engine_name(tensor.name)
+            name = expert_name(tensor.name, cfg) or engine_name(tensor.name)
             if name is None:
                 if tensor.name not in READ_BY_CONFIG:
                     raise CheckpointError(f"{self.path}: tensor {tensor.name} is not part of a model this engine "
@@ -208,10 +258,12 @@ class GGUFCheckpoint:
                 continue
             array = self._dequantized(tensor)
             permuted = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
-            if cfg.architecture == "llama" and tensor.name.endswith(permuted):
+            if cfg.architecture in ("llama", "mixtral") and tensor.name.endswith(permuted):
                 heads = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
                 if array.shape[0] % (2 * heads) == 0:
                     array = unpermute_rows(array, heads)
             if name.endswith(".kernel"):
                 array = np.ascontiguousarray(array.T)
+            elif array.ndim == 3:  # stacked experts: [experts, out, in] -> [experts, in, out]
+                array = np.ascontiguousarray(array.swapaxes(1, 2))
             yield name, tensor.name, array
