@@ -281,6 +281,53 @@ def test_the_engine_gives_transformers_greedy_tokens_batched_and_chunked(served_
     assert llm.runner.compiles_after_warmup == 0
 
 
+def hf_greedy(hf, prompt: list[int], tokens: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,
+                           pad_token_id=0)[0, len(prompt):].tolist()
+
+
+def test_speculative_decoding_with_a_same_family_draft_changes_no_greedy_token(served_folder):
+    from jaxinfer import LLM, SamplingParams
+
+    folder, hf = served_folder
+    llm = LLM(str(folder), draft_model=str(folder), num_draft_tokens=3, max_seqs=4, num_pages=64, page_size=8,
+              token_buckets=(4, 16), compile_guard="raise")
+    prompts = [np.random.default_rng(10 + i).integers(0, 128_000, n).tolist() for i, n in enumerate((6, 19))]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf, p, 8) for p in prompts]
+    assert llm.engine.metrics()["spec_acceptance_rate"] > 0.9  # the draft is the model itself
+
+
+def test_lora_on_the_attention_of_a_moe_model_matches_peft(served_folder, tmp_path):
+    import copy
+
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.errors import CheckpointError
+    from jaxinfer.weights.adapter_file import save_adapter
+
+    folder, hf = served_folder
+    torch.manual_seed(4)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(copy.deepcopy(hf), config)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    merged = PeftModel.from_pretrained(copy.deepcopy(hf), tmp_path / "adapter").merge_and_unload().eval()
+    llm = LLM(str(folder), max_adapters=2, max_lora_rank=4, max_seqs=4, num_pages=64, page_size=8,
+              token_buckets=(4, 16), compile_guard="raise")
+    llm.load_adapter("attn", str(tmp_path / "adapter"))
+    prompt = np.random.default_rng(20).integers(0, 128_000, 11).tolist()
+    adapted = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0), adapter="attn")[0].token_ids
+    assert adapted == hf_greedy(merged, prompt, 8) != hf_greedy(hf, prompt, 8)
+    expert = "base_model.model.model.layers.0.mlp.experts.0.gate_proj"
+    save_adapter(tmp_path / "experts", {"r": 4, "lora_alpha": 8, "target_modules": ["gate_proj"]},
+                 {f"{expert}.lora_A.weight": np.zeros((4, 64), np.float32),
+                  f"{expert}.lora_B.weight": np.zeros((16, 4), np.float32)}, layout="peft")
+    with pytest.raises(CheckpointError, match=r"adapts an expert of a sparse layer; LoRA on experts is not supported"):
+        llm.load_adapter("experts", str(tmp_path / "experts"))
+
+
 def test_a_mesh_that_would_split_an_expert_is_refused():
     cfg = ModelConfig.from_dict({"architecture": "mixtral", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 8,
                                  "num_layers": 1, "num_heads": 2, "num_kv_heads": 2, "head_dim": 8,

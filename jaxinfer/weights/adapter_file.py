@@ -147,6 +147,9 @@ def _modules(path: Path, tensors: dict[str, np.ndarray], rank: int, scale: float
         match = LORA_KEY.match(name)
         if match is not None:
             parts.setdefault(match.group(1), {})[match.group(2)] = value
+        elif ".experts." in name:
+            raise CheckpointError(f"{path}: tensor {name!r} adapts an expert of a sparse layer; LoRA on experts "
+                                  "is not supported yet (adapt the attention projections and dense layers)")
         elif TOKENS_KEY.match(name) is None:
             raise CheckpointError(f"{path}: unexpected tensor {name!r} (LoRA A/B of the projections and "
                                   f"trainable tokens only)")
