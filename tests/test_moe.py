@@ -414,3 +414,44 @@ def test_expert_parallel_runs_equal_one_device(served_folder, tmp_path):
         assert run["diff"] < 1e-5 and run["tokens"] == one["tokens"] and run["compiles"] == 0, (name, run)
         assert run["shard"] == shard, name
     assert report["orbax"]["diff"] < 1e-5 and report["orbax"]["shards"] == [[2, 64, 16]], report["orbax"]
+
+
+MOE_GROUP_TOML = """[engine]
+mesh_expert = 2
+mesh_model = 1
+token_buckets = [8]
+max_seqs = 4
+num_pages = 64
+page_size = 8
+compile_guard = "raise"
+"""
+
+
+def test_a_two_process_group_splits_the_experts_like_one_process(served_folder, tmp_path):
+    """Two processes x 1 device, the experts split over the processes, give the greedy tokens of one
+    process with 2 devices (`python -m jaxinfer.batch`, real processes on loopback)."""
+    from test_multihost import GROUP_SECONDS, REPO, Group, cpu_env, token_ids
+
+    folder, _ = served_folder
+    (tmp_path / "engine.toml").write_text(MOE_GROUP_TOML)
+    lines = [{"id": "a", "prompt": "The experts are", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+             {"id": "b", "prompt": "Routing tokens to experts, one by one,", "max_tokens": 6, "temperature": 0.0,
+              "ignore_eos": True}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    group = Group(tmp_path, "--model", str(folder), "--input", str(tmp_path / "in.jsonl"))
+    try:
+        single = tmp_path / "single.jsonl"
+        alone = subprocess.run([sys.executable, "-m", "jaxinfer.batch", "--config", str(tmp_path / "engine.toml"),
+                                "--model", str(folder), "--input", str(tmp_path / "in.jsonl"), "--output", str(single),
+                                "--no-progress"], cwd=REPO, env=cpu_env(2), capture_output=True, text=True,
+                               timeout=GROUP_SECONDS)
+        assert alone.returncode == 0, alone.stderr[-3000:]
+        assert group.wait(0) == 0, group.log(0)[-3000:]
+        assert group.wait(1) == 0, group.log(1)[-3000:]
+    finally:
+        group.kill_all()
+    replayed = [line for line in group.log(1).splitlines() if "replayed" in line]
+    assert "lockstep leader at" in group.log(0) and replayed and int(replayed[-1].split()[3]) > 0
+    expected = token_ids(single)
+    assert sorted(expected) == ["a", "b"] and [len(expected[k]) for k in "ab"] == [8, 6]
+    assert token_ids(group.output) == expected
