@@ -266,11 +266,19 @@ def served_folder(tmp_path_factory) -> tuple[Path, Any]:
     return folder, hf
 
 
-def test_the_engine_gives_transformers_greedy_tokens_batched_and_chunked(served_folder):
-    from jaxinfer import LLM, SamplingParams
+@pytest.fixture(scope="module")
+def moe_llm(served_folder):
+    from jaxinfer import LLM
 
-    folder, hf = served_folder
-    llm = LLM(str(folder), max_seqs=4, num_pages=64, page_size=8, token_buckets=(4, 16), compile_guard="raise")
+    return LLM(str(served_folder[0]), max_seqs=4, num_pages=64, page_size=8, token_buckets=(4, 16),
+               compile_guard="raise")
+
+
+def test_the_engine_gives_transformers_greedy_tokens_batched_and_chunked(served_folder, moe_llm):
+    from jaxinfer import SamplingParams
+
+    _, hf = served_folder
+    llm = moe_llm
     prompts = [np.random.default_rng(i).integers(0, 128_000, n).tolist() for i, n in enumerate((5, 23, 37))]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))
     for prompt, output in zip(prompts, outputs, strict=True):
@@ -279,6 +287,50 @@ def test_the_engine_gives_transformers_greedy_tokens_batched_and_chunked(served_
                                    pad_token_id=0)[0, len(prompt):].tolist()
         assert output.token_ids == expected
     assert llm.runner.compiles_after_warmup == 0
+
+
+def test_evicted_pages_of_a_moe_model_come_back_from_l2_and_l3(moe_llm, tmp_path):
+    from jaxinfer import SamplingParams
+    from jaxinfer.engine.engine import Engine
+    from jaxinfer.kv.store import ModelIdentity, PageStore
+    from jaxinfer.kv.tiers import HostTier, TieredPages
+
+    m, page = moe_llm.model_config, moe_llm.config.page_size
+    identity = ModelIdentity("qwen3-moe:test", "float32", page, m.num_layers, m.num_kv_heads, m.head_dim)
+    tiers = TieredPages(HostTier(capacity=2), PageStore(str(tmp_path), identity))
+    engine = Engine(moe_llm.runner, moe_llm.tokenizer, moe_llm.max_model_len, tiers=tiers)
+    request = moe_llm.request(list(range(1000, 1045)), SamplingParams(max_tokens=6, temperature=0.0))
+    reference = engine.generate([request])[0].token_ids
+    with engine.pool.hold(keep_free=0):  # every free page taken: the cached prefix goes to L2, then L3
+        pass
+    engine.flush_tiers()
+    assert engine.generate([request])[0].token_ids == reference
+    assert engine.stats.prefix_hit_tokens_l2 == 2 * page and engine.stats.prefix_hit_tokens_l3 >= 2 * page
+
+
+def test_grpc_and_the_openai_api_serve_a_moe_model(moe_llm):
+    import openai
+    from servers import RunningServer
+
+    from jaxinfer import SamplingParams
+    from serving.client import InferenceClient
+
+    prompt = "Experts route tokens"
+    expected = moe_llm.generate(prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))[0].text
+    running = RunningServer(moe_llm, http_port=0)
+    try:
+        running.call(running.server.load())  # the given model: warm-up only
+        with InferenceClient(running.target, timeout=120) as client:
+            text, last = client.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True)
+        assert text == expected and last.usage.completion_tokens == 6
+        http = openai.OpenAI(base_url=f"http://127.0.0.1:{running.server.http_port}/v1", api_key="unused",
+                             max_retries=0, timeout=120)
+        model = http.models.list().data[0].id
+        reply = http.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0,
+                                        extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == expected
+    finally:
+        running.close()
 
 
 def hf_greedy(hf, prompt: list[int], tokens: int) -> list[int]:
