@@ -333,6 +333,17 @@ def test_grpc_and_the_openai_api_serve_a_moe_model(moe_llm):
         running.close()
 
 
+def test_the_processor_runs_a_program_inside_a_moe_model_s_step(served_folder):
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(str(served_folder[0]), exec_slots=1, max_seqs=2, num_pages=64, page_size=8, token_buckets=(4, 16),
+              compile_guard="raise")
+    program = '(module (func (export "main") (result i32) (i32.mul (i32.const 6) (i32.const 7))))'
+    prompt = ["What is 6 times 7?", {"special": "<|exec|>"}, program, {"special": "<|/exec|>"}]
+    out = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0, exec=True))[0]
+    assert out.text.startswith("<|result|>42<|/result|>") and llm.engine.stats.exec_programs == 1
+
+
 def hf_greedy(hf, prompt: list[int], tokens: int) -> list[int]:
     with torch.no_grad():
         return hf.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, eos_token_id=None,

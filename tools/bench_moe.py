@@ -6,8 +6,10 @@ expert, and the collective bytes per token of its expert-parallel step against t
     python tools/bench.py moe --tokens 1 64 256 --matmul tiled dense ragged_dot
 
 The throughput rows time one layer (router, grouping, the experts' MLPs, the weighted sum) jitted
-on this machine's default device. The bytes row compiles the same layer in a child process with
-`--ep` virtual CPU devices on the expert axis and sums the operands of every collective in its HLO.
+on this machine's default device. The bytes row compiles, in a child process with `--ep` virtual
+CPU devices on the expert axis, the same layer and the whole model's forward pass (the
+Qwen3-30B-A3B shape cut to `--ep-layers` layers: embedding, attention over the paged cache, the
+sparse layers, the final norm and logits), and sums the result bytes of every collective in their HLO.
 The minimum is an all-reduce's: every device must end with each token's [hidden] output, whose
 parts live on `ep` devices, so a ring moves 2 (ep - 1) / ep x hidden x bytes per token and device.
 """
@@ -39,6 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ep", type=int, default=4, help="expert-axis devices for the bytes row (0: skip)")
     parser.add_argument("--ep-tokens", type=int, default=64)
+    parser.add_argument("--ep-layers", type=int, default=2, help="sparse layers of the forward pass compiled")
 
 
 def _layer(placement, dtype):
@@ -145,21 +148,72 @@ def ep_child(ep: int, tokens: int, dtype: str) -> dict:
     return dict(collectives=collective_bytes(hlo))
 
 
+QWEN3_30B_A3B = dict(architecture="qwen3_moe", vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
+                     num_heads=32, num_kv_heads=4, head_dim=128, qk_norm=True, rope_theta=1e6)
+
+
+def forward_collectives(ep: int, tokens: int, dtype: str, layers: int) -> list[dict]:
+    """(In the child.) The collectives of the model's forward pass at `tokens` tokens, compiled from
+    abstract arrays with the serving shardings (no weights are made)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jaxinfer.config import ModelConfig
+    from jaxinfer.layers.attention import AttentionMetadata
+    from jaxinfer.moe_config import MoEConfig
+    from jaxinfer.parallel import make_mesh, named_sharding
+    from jaxinfer.weights.loader import abstract_model
+
+    moe = MoEConfig(num_experts=SHAPE["experts"], top_k=SHAPE["top_k"], intermediate_size=SHAPE["width"],
+                    sparse_layers=tuple(range(layers)))
+    cfg = ModelConfig(**QWEN3_30B_A3B, num_layers=layers, moe=moe)
+    mesh = make_mesh(1, 1, expert=ep)
+    model = abstract_model(cfg, jnp.dtype(dtype), None, mesh)
+    graphdef, state = nnx.split(model)
+    is_param = lambda p: isinstance(p, nnx.Param)  # noqa: E731
+    abstract_state = jax.tree.map(lambda p: jax.ShapeDtypeStruct(
+        p.value.shape, p.value.dtype, sharding=named_sharding(p.value.shape, p.logical_axes, mesh)), state,
+        is_leaf=is_param)
+    every = named_sharding((1,), (None,), mesh)
+
+    def replicated(shape, dtype=jnp.int32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=every)
+
+    pages = 64
+    caches = jax.tree.map(lambda a: replicated(a.shape, a.dtype), jax.eval_shape(lambda: model.empty_caches(pages, 16)))
+    meta = AttentionMetadata(positions=replicated((tokens,)), seq_rows=replicated((tokens,)),
+                             page_table=replicated((4, pages // 4)), write_slots=replicated((tokens,)))
+
+    def forward(state, caches, token_ids, meta):
+        merged = nnx.merge(graphdef, state)
+        hidden, caches = merged(token_ids, caches, meta)
+        return merged.logits(hidden), caches
+
+    hlo = jax.jit(forward).lower(abstract_state, caches, replicated((tokens,)), meta).compile().as_text()
+    return collective_bytes(hlo)
+
+
 def bench_ep_bytes(args: argparse.Namespace) -> None:
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={args.ep}", JAX_PLATFORMS="cpu")
     code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import json, bench_moe; "
-            f"print('EP ' + json.dumps(bench_moe.ep_child({args.ep}, {args.ep_tokens}, {args.dtype!r})))")
+            f"layer = bench_moe.ep_child({args.ep}, {args.ep_tokens}, {args.dtype!r}); "
+            f"layer['forward'] = bench_moe.forward_collectives({args.ep}, {args.ep_tokens}, {args.dtype!r}, "
+            f"{args.ep_layers}); print('EP ' + json.dumps(layer))")
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     found = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("EP "))[3:])
     width = HLO_DTYPES["bf16" if args.dtype == "bfloat16" else "f32"]
     hidden_bytes = SHAPE["hidden"] * width
     operand = sum(c["bytes"] for c in found["collectives"]) / args.ep_tokens
     ring = 2 * (args.ep - 1) / args.ep
+    forward = sum(c["bytes"] for c in found["forward"]) / args.ep_tokens
     emit(dict(what="moe_ep_bytes", ep=args.ep, tokens=args.ep_tokens, dtype=args.dtype,
-              collectives=found["collectives"], operand_bytes_per_token=operand,
-              ring_bytes_per_token_per_device=round(ring * operand),
+              layer_collectives=found["collectives"], layer_bytes_per_token=operand,
+              layer_ring_bytes_per_token_per_device=round(ring * operand),
               minimum_bytes_per_token_per_device=round(ring * hidden_bytes),
-              all_to_all_bytes_per_token=round(2 * SHAPE["top_k"] * (args.ep - 1) / args.ep * hidden_bytes)))
+              all_to_all_bytes_per_token=round(2 * SHAPE["top_k"] * (args.ep - 1) / args.ep * hidden_bytes),
+              forward_layers=args.ep_layers, forward_collectives=found["forward"],
+              forward_bytes_per_token_per_sparse_layer=forward / args.ep_layers))
 
 
 def bench(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """Data-parallel replicas: several engines, each on its own submesh, behind one engine interface.
 
-With `engine.mesh_data = D` every row of the ('data', 'model') mesh is an independent replica: its
+With `engine.mesh_data = D` every data row of the ('data', 'expert', 'model') mesh is an independent replica: its
 own copy of the weights (sharded over its row's devices), its own KV pages, scheduler and processor
 slots. A request goes to the replica that already holds the longest prefix of its prompt (cached
 or being computed), else to the least loaded; requests of one exec session always go to the same
