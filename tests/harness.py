@@ -47,3 +47,19 @@ class PagedForward:
         logits, self.caches = self._fn(self.graphdef, self.state, self.caches, jnp.asarray(tokens, jnp.int32), meta,
                                        slots)
         return np.asarray(logits)
+
+
+def prefill_then_decode(model, prompt: list[int], chunks: tuple[int, ...], steps: int, page_size: int = 8
+                        ) -> tuple[np.ndarray, list[int]]:
+    """Prefill in `chunks`, then `steps` greedy decode steps: (logits [len(tokens), vocab], tokens fed)."""
+    assert sum(chunks) == len(prompt)
+    fwd = PagedForward(model, page_size=page_size)
+    rows, start = [], 0
+    for n in chunks:
+        rows.append(fwd.run(prompt[start : start + n], start))
+        start += n
+    tokens = list(prompt)
+    for _ in range(steps):
+        tokens.append(int(np.argmax(rows[-1][-1])))
+        rows.append(fwd.run(tokens[-1:], len(tokens) - 1))
+    return np.concatenate(rows), tokens

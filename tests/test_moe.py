@@ -35,7 +35,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from conftest import llama3_tokenizer_json  # noqa: E402
-from harness import PagedForward  # noqa: E402
+from harness import prefill_then_decode  # noqa: E402
 
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.errors import ConfigError  # noqa: E402
@@ -86,16 +86,7 @@ def families(tmp_path_factory):
 
 
 def run_paged(model, prompt: list[int], chunks: tuple[int, ...], steps: int = 6) -> tuple[np.ndarray, list[int]]:
-    fwd = PagedForward(model, page_size=8)
-    rows, start = [], 0
-    for n in chunks:
-        rows.append(fwd.run(prompt[start:start + n], start))
-        start += n
-    tokens = list(prompt)
-    for _ in range(steps):
-        tokens.append(int(np.argmax(rows[-1][-1])))
-        rows.append(fwd.run(tokens[-1:], len(tokens) - 1))
-    return np.concatenate(rows), tokens
+    return prefill_then_decode(model, prompt, chunks, steps)
 
 
 def test_the_configs_parse_into_the_experts_they_declare(families):

@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from harness import PagedForward  # noqa: E402
+from harness import prefill_then_decode  # noqa: E402
 
 from jaxinfer.config import ModelConfig  # noqa: E402
 from jaxinfer.errors import CheckpointError  # noqa: E402
@@ -138,18 +138,7 @@ def hf_logits(model: Any, tokens: list[int]) -> np.ndarray:
 
 
 def run_paged(model: Any, prompt: list[int], chunks: tuple[int, ...], steps: int = DECODE_STEPS):
-    """Prefill in `chunks`, then `steps` greedy decode steps: (logits [len(tokens), vocab], tokens fed)."""
-    assert sum(chunks) == len(prompt)
-    fwd = PagedForward(model, page_size=PAGE_SIZE)
-    rows, start = [], 0
-    for n in chunks:
-        rows.append(fwd.run(prompt[start : start + n], start))
-        start += n
-    tokens = list(prompt)
-    for _ in range(steps):
-        tokens.append(int(np.argmax(rows[-1][-1])))
-        rows.append(fwd.run(tokens[-1:], len(tokens) - 1))
-    return np.concatenate(rows), tokens
+    return prefill_then_decode(model, prompt, chunks, steps, PAGE_SIZE)
 
 
 def max_diff(a: np.ndarray, b: np.ndarray) -> float:

@@ -144,8 +144,10 @@ def ep_child(ep: int, tokens: int, dtype: str) -> dict:
     def call(state, x, real):
         return nnx.merge(graphdef, state)(x, real)
 
-    hlo = jax.jit(call).lower(abstract, x, real).compile().as_text()
-    return dict(collectives=collective_bytes(hlo))
+    lowered = jax.jit(call).lower(abstract, x, real)
+    # the program's own all-reduce element type: XLA's CPU compiler promotes a bf16 all-reduce to f32
+    program = re.findall(r"stablehlo\.all_reduce.*?\^bb0\(%\w+: tensor<(\w+)>", lowered.as_text(), re.S)
+    return dict(collectives=collective_bytes(lowered.compile().as_text()), program_all_reduce_dtypes=program)
 
 
 QWEN3_30B_A3B = dict(architecture="qwen3_moe", vocab_size=151_936, hidden_size=2048, intermediate_size=6144,
@@ -209,6 +211,7 @@ def bench_ep_bytes(args: argparse.Namespace) -> None:
     forward = sum(c["bytes"] for c in found["forward"]) / args.ep_tokens
     emit(dict(what="moe_ep_bytes", ep=args.ep, tokens=args.ep_tokens, dtype=args.dtype,
               layer_collectives=found["collectives"], layer_bytes_per_token=operand,
+              program_all_reduce_dtypes=found["program_all_reduce_dtypes"],
               layer_ring_bytes_per_token_per_device=round(ring * operand),
               minimum_bytes_per_token_per_device=round(ring * hidden_bytes),
               all_to_all_bytes_per_token=round(2 * SHAPE["top_k"] * (args.ep - 1) / args.ep * hidden_bytes),

@@ -89,8 +89,10 @@ class SparseMoE(nnx.Module):
             return local_experts(x, weights, ids, real, 0, gate, up, down, matmul).astype(x.dtype)
         return self._on_each_device(x, weights, ids, real, gate, up, down, matmul).astype(x.dtype)
 
-    def _on_each_device(self, x, weights, ids, real, gate, up, down, matmul: str) -> jax.Array:
-        """`shard_map` over the replica's (1, expert, model) mesh: a device's experts and width slice."""
+    def _on_each_device(self, x: jax.Array, weights: jax.Array, ids: jax.Array, real: jax.Array, gate: jax.Array,
+                        up: jax.Array, down: jax.Array, matmul: str) -> jax.Array:
+        """`shard_map` over the replica's (1, expert, model) mesh: a device's experts and width slice.
+        The parts are summed in the model's dtype, the bytes the all-reduce moves."""
         width = "model" if self.width_split else None
         summed = ("expert", "model") if self.width_split else ("expert",)
         per_expert = gate.shape[0] // self.placement.expert
@@ -99,7 +101,8 @@ class SparseMoE(nnx.Module):
 
         def one_device(x, weights, ids, real, gate, up, down):
             first = jax.lax.axis_index("expert") * per_expert
-            return jax.lax.psum(local_experts(x, weights, ids, real, first, gate, up, down, matmul), summed)
+            part = local_experts(x, weights, ids, real, first, gate, up, down, matmul).astype(x.dtype)
+            return jax.lax.psum(part, summed)
 
         wide, narrow = PartitionSpec("expert", None, width), PartitionSpec("expert", width, None)
         every = PartitionSpec()
