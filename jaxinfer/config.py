@@ -209,6 +209,9 @@ class EngineConfig:
     """How the engine lays out memory and work. Every field can be set from TOML."""
 
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU/TPU
+    # projections kept packed on the device (weights/weight_plan.py): auto | int8 | int4 | float32 | bfloat16
+    weights_dtype: str = "auto"
+    weights_group: int = 32  # input rows per scale for int8 / int4
     page_size: int = 16
     num_pages: int = 1024  # including the null page 0
     max_seqs: int = 32  # sequences in flight at once

@@ -37,6 +37,7 @@ from jaxinfer.weights.fingerprint import check_same_as_leader, fingerprint, load
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.loader import load_model, place_copy
 from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
+from jaxinfer.weights.weight_plan import WeightsChoice
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,18 @@ def resolve_dtype(name: str) -> jnp.dtype:
     if name == "auto":
         return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     return jnp.dtype(name)
+
+
+def weights_setting(cfg: EngineConfig) -> tuple[WeightsChoice, str]:
+    """The packing choice and the engine dtype it implies: `weights_dtype = "float32" | "bfloat16"`
+    sets the dtype an `auto` dtype resolves to, and refuses another explicit one."""
+    choice = WeightsChoice(cfg.weights_dtype, cfg.weights_group)
+    if not choice.unpacked or cfg.dtype == choice.dtype:
+        return choice, cfg.dtype
+    if cfg.dtype != "auto":
+        raise ConfigError(f"engine.weights_dtype = {cfg.weights_dtype!r} but engine.dtype = {cfg.dtype!r}: the "
+                          "float weights are the model's dtype; set one of them")
+    return choice, choice.dtype
 
 
 # Settings with device work of their own (a draft's steps, KV tier copies) that followers do not
@@ -168,14 +181,15 @@ class LLM:
     def _load(self, model: str | Path, cfg: EngineConfig) -> None:
         enable_compilation_cache(cfg.compilation_cache_dir)
         start = time.perf_counter()
-        self.dtype = resolve_dtype(cfg.dtype)
+        weights, dtype = weights_setting(cfg)
+        self.dtype = resolve_dtype(dtype)
         checkpoint = resolve(model)
         gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
         backend = make_backend(cfg.attention_backend, block_tokens=cfg.attention_block_tokens,
                                query_tile=cfg.attention_query_tile, model_parallel=self.mesh.shape["model"],
                                expert_parallel=self.mesh.shape["expert"])
         meshes = replica_meshes(self.mesh)
-        loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file)
+        loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file, weights=weights)
         if cfg.mesh_expert > 1 and loaded.config.moe is None:
             raise ConfigError(f"engine.mesh_expert = {cfg.mesh_expert}: {checkpoint.name} has no experts to split "
                               "(a dense model runs on the model axis; set mesh_expert = 1)")

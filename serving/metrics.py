@@ -61,6 +61,9 @@ class EngineCollector(Collector):
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
         yield from self._tiers(m)
+        for key, doc in (("weight_bytes", "model parameters on the devices, packed projections at their packed size"),
+                         ("kv_pool_bytes", "the KV page pools on the devices")):
+            yield GaugeMetricFamily(f"jaxinfer_{key}", doc, value=m[key])
         held = GaugeMetricFamily("jaxinfer_held", "what requests still hold (all 0 when none is left: "
                                  "jaxinfer/engine/held.py)", labels=["resource"])
         for key, value in sorted(m.items()):

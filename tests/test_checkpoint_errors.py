@@ -115,7 +115,9 @@ def test_a_sliding_window_caps_the_context_where_full_attention_is_the_same(tmp_
 
 def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.ndarray] | None = None,
                config: dict = CONFIG, token_types: list[int] | None = None, merges: list[str] = (),
-               num_tokens: int | None = None, byte_order: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE) -> Path:
+               num_tokens: int | None = None, byte_order: gguf.GGUFEndian = gguf.GGUFEndian.LITTLE,
+               quantized: dict[str, gguf.GGMLQuantizationType] | None = None) -> Path:
+    """`quantized`: tensors written in that quantization (llama.cpp's blocks, by the gguf package)."""
     writer = gguf.GGUFWriter(str(path), "llama", endianess=byte_order)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_embedding_length(config["hidden_size"])
@@ -137,7 +139,12 @@ def write_gguf(path: Path, metadata: dict | None = None, extra: dict[str, np.nda
     writer.add_token_merges(list(merges))
     writer.add_eos_token_id(1)
     for name, array in {**torch_layout_tensors(config, gguf_name), **(extra or {})}.items():
-        writer.add_tensor(name, array)
+        qtype = (quantized or {}).get(name)
+        if qtype is None:
+            writer.add_tensor(name, array)
+        else:
+            blocks = gguf.quants.quantize(array, qtype)
+            writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -125,7 +125,7 @@ def _random_adapter(folder: Path, llm, rank: int, seed: int) -> None:
 
     rng, tensors = np.random.default_rng(seed), {}
     for module, linear in llm.runner.adapters.linears.items():
-        fan_in, fan_out = linear.kernel[...].shape
+        fan_in, fan_out = linear.shape
         tensors[lora_name(module, "A")] = rng.normal(0, 0.02, (rank, fan_in)).astype(np.float32)
         tensors[lora_name(module, "B")] = rng.normal(0, 0.02, (fan_out, rank)).astype(np.float32)
     save_adapter(folder, {"r": rank, "lora_alpha": rank}, tensors, layout="peft")

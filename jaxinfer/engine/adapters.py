@@ -117,7 +117,7 @@ class AdapterSlots:
                 raise CheckpointError(f"{path}: targets {module}, which this engine does not adapt (the model has "
                                       f"{len(self.model.model.layers)} layers; engine.lora_targets is "
                                       f"{', '.join(self.targets)})")
-            shape = linear.kernel[...].shape
+            shape = linear.shape
             if (a.shape[0], b.shape[1]) != shape:
                 raise CheckpointError(f"{path}: {module} maps {a.shape[0]} -> {b.shape[1]}, the model's projection "
                                       f"{shape[0]} -> {shape[1]}")

@@ -194,7 +194,7 @@ class Engine(RequestAdmission, StepBatchBuilder, PenaltySlots, GuidedRows, Promp
         s = self.scheduler
         tiers = s.tiers.gauges() if s.tiers is not None else None
         return {**snapshot(self.stats, len(s.running), len(s.waiting), self.pool.num_free, self.pool.capacity, tiers),
-                **held_resources(self)}
+                **held_resources(self), **self.runner.device_bytes()}
 
     # -- step-wise API (what a server drives) --------------------------------------------------
     def add_request(self, request: Request) -> Sequence:

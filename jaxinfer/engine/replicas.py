@@ -193,4 +193,6 @@ class ReplicaSet:
         schedulers = [engine.scheduler for engine in self.engines]
         return {**snapshot(self.stats, sum(len(s.running) for s in schedulers), sum(len(s.waiting) for s in schedulers),
                            sum(e.pool.num_free for e in self.engines), sum(e.pool.capacity for e in self.engines)),
-                **held_resources(self), "replicas": len(self.engines)}
+                **held_resources(self), "replicas": len(self.engines),
+                **{key: sum(engine.runner.device_bytes()[key] for engine in self.engines)
+                   for key in ("weight_bytes", "kv_pool_bytes")}}

@@ -227,6 +227,12 @@ class ModelRunner(PageCopies, GuideLoads):
             raise RequestError("adapters: this engine serves no LoRA adapters (engine.max_adapters is 0)")
         return self.adapters
 
+    def device_bytes(self) -> dict[str, int]:
+        """`weight_bytes`: the model's parameters as stored on the devices (packed projections at their
+        packed size); `kv_pool_bytes`: the KV page pools. Both from the arrays' global sizes."""
+        weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+        return {"weight_bytes": weights, "kv_pool_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(self.caches))}
+
     def _refresh_state(self) -> None:
         """The state the step reads: same tree and shapes, new adapter slot contents."""
         graphdef, self.state = nnx.split(self.model)

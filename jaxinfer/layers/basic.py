@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.layers.lora import LoraParam, ZerosFn, added_rows_logits, added_rows_lookup, lora_delta
+from jaxinfer.layers.quant import PackedFormat, dequantize
 
 
 def initial_weights(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
@@ -18,6 +19,8 @@ def initial_weights(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dt
 class Linear(nnx.Module):
     """y = x @ kernel (+ LoRA delta) (+ bias); kernel is stored [in, out] (the transpose of torch's Linear).
 
+    With `packed`, the kernel is kept in that format (`kernel_q`, `kernel_scale`, `kernel_offset`;
+    layers/quant.py) and dequantized inside the matmul's computation.
     `add_lora_slots` gives it adapter slots (layers/lora.py); `lora` is then the tokens' one-hot slot."""
 
     def __init__(
@@ -29,8 +32,16 @@ class Linear(nnx.Module):
         bias: bool = False,
         dtype: jnp.dtype = jnp.float32,
         rngs: nnx.Rngs | None = None,
+        packed: PackedFormat | None = None,
     ):
-        self.kernel = nnx.Param(initial_weights(rngs, (in_features, out_features), dtype), logical_axes=axes)
+        self.shape = (in_features, out_features)
+        self.packed = packed
+        if packed is None:
+            self.kernel = nnx.Param(initial_weights(rngs, self.shape, dtype), logical_axes=axes)
+        else:
+            for suffix, shape in packed.stored_shapes(in_features, out_features).items():
+                stored = {"q": jnp.int8 if packed.bits == 8 else jnp.uint8}.get(suffix, packed.scale_dtype)
+                setattr(self, f"kernel_{suffix}", nnx.Param(jnp.zeros(shape, stored), logical_axes=axes))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],)) if bias else None
         self.axes = axes
         self.lora_a: LoraParam | None = nnx.data(None)
@@ -39,13 +50,20 @@ class Linear(nnx.Module):
     def add_lora_slots(self, slots: int, rank: int, zeros: ZerosFn) -> None:
         """Zeroed adapter stacks a [in, slots, rank], b [slots, rank, out]; `zeros(shape, logical_axes)`
         places them."""
-        fan_in, fan_out = self.kernel[...].shape
+        fan_in, fan_out = self.shape
         a_axes, b_axes = (self.axes[0], "lora_slots", "lora_rank"), ("lora_slots", "lora_rank", self.axes[1])
         self.lora_a = LoraParam(zeros((fan_in, slots, rank), a_axes), logical_axes=a_axes)
         self.lora_b = LoraParam(zeros((slots, rank, fan_out), b_axes), logical_axes=b_axes)
 
+    def weight(self, dtype: jnp.dtype) -> jax.Array:
+        """The kernel [in, out] in `dtype` (a packed one dequantized as part of the caller's computation)."""
+        if self.packed is None:
+            return self.kernel[...]
+        offset = self.kernel_offset[...] if self.packed.offset else None
+        return dequantize(self.kernel_q[...], self.kernel_scale[...], offset, self.packed, dtype)
+
     def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:
-        y = jnp.dot(x, self.kernel[...], preferred_element_type=jnp.float32)
+        y = jnp.dot(x, self.weight(x.dtype), preferred_element_type=jnp.float32)
         if lora is not None and self.lora_a is not None:
             y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora)
         y = y.astype(x.dtype)

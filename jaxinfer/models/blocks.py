@@ -20,9 +20,13 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, real_tokens
 from jaxinfer.layers.basic import Linear, RMSNorm
 from jaxinfer.layers.kv_layout import LayerCache
+from jaxinfer.layers.quant import PackedFormat
 from jaxinfer.layers.rope import apply_rope
 from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement, SparseMoE
 from jaxinfer.models.layer_kinds import AttentionSpec, LayerSpec
+
+# the packed format (layers/quant.py) of each projection, by its name in the block (None: float)
+PackedFormats = dict[str, PackedFormat]
 
 
 class Attention(nnx.Module):
@@ -30,13 +34,16 @@ class Attention(nnx.Module):
     projections may have a bias (`spec.qkv_bias`) and the heads an RMSNorm before RoPE (`spec.qk_norm`)."""
 
     def __init__(self, cfg: ModelConfig, spec: AttentionSpec, backend: AttentionBackend, dtype: jnp.dtype,
-                 rngs: nnx.Rngs | None):
+                 rngs: nnx.Rngs | None, packed: PackedFormats | None = None):
         e, h, kv, d = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        bias = spec.qkv_bias
-        self.q_proj = Linear(e, h * d, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(e, kv * d, ("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(e, kv * d, ("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(h * d, e, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        bias, packed = spec.qkv_bias, packed or {}
+        self.q_proj = Linear(e, h * d, ("embed", "heads"), bias=bias, dtype=dtype, rngs=rngs,
+                             packed=packed.get("q_proj"))
+        self.k_proj = Linear(e, kv * d, ("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs,
+                             packed=packed.get("k_proj"))
+        self.v_proj = Linear(e, kv * d, ("embed", "kv_heads"), bias=bias, dtype=dtype, rngs=rngs,
+                             packed=packed.get("v_proj"))
+        self.o_proj = Linear(h * d, e, ("heads", "embed"), dtype=dtype, rngs=rngs, packed=packed.get("o_proj"))
         if spec.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype=dtype, axis_name="head_dim")
@@ -65,11 +72,12 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
     """The gated SiLU feed-forward block: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None):
+    def __init__(self, cfg: ModelConfig, dtype: jnp.dtype, rngs: nnx.Rngs | None, packed: PackedFormats | None = None):
         e, m = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.up_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs)
-        self.down_proj = Linear(m, e, ("mlp", "embed"), dtype=dtype, rngs=rngs)
+        packed = packed or {}
+        self.gate_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs, packed=packed.get("gate_proj"))
+        self.up_proj = Linear(e, m, ("embed", "mlp"), dtype=dtype, rngs=rngs, packed=packed.get("up_proj"))
+        self.down_proj = Linear(m, e, ("mlp", "embed"), dtype=dtype, rngs=rngs, packed=packed.get("down_proj"))
 
     def __call__(self, x: jax.Array, lora: jax.Array | None) -> jax.Array:
         return self.down_proj(jax.nn.silu(self.gate_proj(x, lora)) * self.up_proj(x, lora), lora)
@@ -80,14 +88,17 @@ class DecoderLayer(nnx.Module):
     declares; the feed-forward block is the MLP (`mlp`) or the sparse experts (under the family's name)."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, backend: AttentionBackend, dtype: jnp.dtype,
-                 rngs: nnx.Rngs | None, placement: ExpertPlacement = ONE_DEVICE):
+                 rngs: nnx.Rngs | None, placement: ExpertPlacement = ONE_DEVICE,
+                 packed: dict[str, PackedFormats] | None = None):
+        """`packed`: the packed projections' formats by block ("self_attn", "mlp") and name."""
+        packed = packed or {}
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
-        self.self_attn = Attention(cfg, spec.attention, backend, dtype, rngs)
+        self.self_attn = Attention(cfg, spec.attention, backend, dtype, rngs, packed.get("self_attn"))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
         self.sparse = spec.experts is not None
         if spec.experts is None:
             self.feed_forward_name = "mlp"
-            self.mlp = MLP(cfg, dtype, rngs)
+            self.mlp = MLP(cfg, dtype, rngs, packed.get("mlp"))
         else:
             self.feed_forward_name = spec.experts.module
             setattr(self, spec.experts.module, SparseMoE(cfg.hidden_size, spec.experts, placement, dtype, rngs))

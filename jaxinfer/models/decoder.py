@@ -22,6 +22,7 @@ from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, Refer
 from jaxinfer.layers.basic import Embed, Linear, RMSNorm
 from jaxinfer.layers.kv_layout import KVLayout
 from jaxinfer.layers.lora import ZerosFn, slot_one_hot
+from jaxinfer.layers.quant import PackedFormat
 from jaxinfer.layers.rope import inverse_frequencies
 from jaxinfer.models.blocks import DecoderLayer, _run_layer
 from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement
@@ -43,17 +44,30 @@ class DecoderStack(nnx.Module):
     """`model.*` of a checkpoint: the embedding, the layers (one spec each) and the final norm."""
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], backend: AttentionBackend, dtype: jnp.dtype,
-                 rngs: nnx.Rngs | None, placement: ExpertPlacement):
+                 rngs: nnx.Rngs | None, placement: ExpertPlacement, packed: dict[str, PackedFormat]):
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, spec, backend, dtype, rngs, placement) for spec in specs])
+        self.layers = nnx.List([DecoderLayer(cfg, spec, backend, dtype, rngs, placement, _layer_formats(packed, i))
+                                for i, spec in enumerate(specs)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+
+
+def _layer_formats(packed: dict[str, PackedFormat], index: int) -> dict[str, dict[str, PackedFormat]]:
+    """Layer `index`'s packed projections by block and name, from formats by kernel parameter name."""
+    found: dict[str, dict[str, PackedFormat]] = {}
+    prefix = f"model.layers.{index}."
+    for name, fmt in packed.items():
+        if name.startswith(prefix) and name.endswith(".kernel"):
+            block, projection = name[len(prefix):].removesuffix(".kernel").split(".")
+            found.setdefault(block, {})[projection] = fmt
+    return found
 
 
 class CausalLM(nnx.Module):
     """Decoder with a paged KV cache; `__call__` runs one ragged batch, `logits` projects rows.
 
     A family overrides `layer_spec` (what layer `index` of a checkpoint with `cfg` is). `placement`: the
-    mesh axes a mixture-of-experts layer splits over (models/experts.py)."""
+    mesh axes a mixture-of-experts layer splits over (models/experts.py). `packed`: the format of each
+    packed projection, by its kernel's parameter name (layers/quant.py; the others are float)."""
 
     def __init__(
         self,
@@ -63,13 +77,16 @@ class CausalLM(nnx.Module):
         backend: AttentionBackend | None = None,
         rngs: nnx.Rngs | None = None,
         placement: ExpertPlacement = ONE_DEVICE,
+        packed: dict[str, PackedFormat] | None = None,
     ):
         self.config = cfg
         self.dtype = dtype
         self.lora_slots = 0  # adapter slots, slot 0 = none (add_lora_slots)
         self.base_vocab_size = cfg.vocab_size  # ids from here on were added (extend_vocabulary)
         self.layer_specs = tuple(self.layer_spec(cfg, i) for i in range(cfg.num_layers))
-        self.model = DecoderStack(cfg, self.layer_specs, backend or ReferenceAttention(), dtype, rngs, placement)
+        self.packed_formats = tuple(sorted((packed or {}).items()))  # a tuple: the graph's static data is hashed
+        self.model = DecoderStack(cfg, self.layer_specs, backend or ReferenceAttention(), dtype, rngs, placement,
+                                  dict(self.packed_formats))
         self.lm_head = (
             None
             if cfg.tie_word_embeddings

@@ -25,6 +25,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.models import model_class
 from jaxinfer.moe_config import MoEConfig
+from jaxinfer.weights.packing import FLOAT_TYPES, GGUF_FORMATS, PackedFormat, PackedTensor, repack_gguf
+from jaxinfer.weights.weight_plan import PROJECTION
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -248,7 +250,26 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: cannot dequantize tensor {tensor.name} ({exc})") from None
         return array.copy() if np.shares_memory(array, self.reader.data) else array
 
-    def iter_tensors(self, cfg: ModelConfig) -> Iterator[tuple[str, str, np.ndarray]]:
+    def packed_formats(self, cfg: ModelConfig) -> dict[str, PackedFormat]:
+        """The projections whose blocks stay packed (`weights_dtype = "auto"`), by kernel parameter name;
+        a projection in a quantization the device layout has no format for is refused by name."""
+        formats = {}
+        for tensor in self.reader.tensors:
+            name = engine_name(tensor.name)
+            if name is None or not PROJECTION.match(name) or tensor.tensor_type in FLOAT_TYPES:
+                continue
+            fmt = GGUF_FORMATS.get(tensor.tensor_type)
+            if fmt is None:
+                raise CheckpointError(
+                    f"{self.path}: tensor {tensor.name} is {tensor.tensor_type.name}, a quantization the engine does "
+                    f"not keep packed (packed: {', '.join(t.name for t in GGUF_FORMATS)}); set engine.weights_dtype "
+                    "= \"float32\" to dequantize it at load")
+            formats[name] = fmt
+        return formats
+
+    def iter_tensors(self, cfg: ModelConfig, packed: frozenset[str] | set[str] = frozenset()
+                     ) -> Iterator[tuple[str, str, np.ndarray | PackedTensor]]:
+        """The tensors in the engine's layout; those named in `packed` as their blocks, repacked."""
         for tensor in self.reader.tensors:
             name = expert_name(tensor.name, cfg) or engine_name(tensor.name)
             if name is None:
@@ -256,12 +277,17 @@ class GGUFCheckpoint:
                     raise CheckpointError(f"{self.path}: tensor {tensor.name} is not part of a model this engine "
                                           "runs (an unsupported variant of the architecture)")
                 continue
-            array = self._dequantized(tensor)
+            keep_packed = name in packed and tensor.tensor_type in GGUF_FORMATS
+            array = np.asarray(tensor.data) if keep_packed else self._dequantized(tensor)
             permuted = ("attn_q.weight", "attn_k.weight", "attn_q.bias", "attn_k.bias")
             if cfg.architecture in ("llama", "mixtral") and tensor.name.endswith(permuted):
                 heads = cfg.num_heads if "attn_q" in tensor.name else cfg.num_kv_heads
-                if array.shape[0] % (2 * heads) == 0:
+                if array.shape[0] % (2 * heads) == 0:  # whole rows move: the same for a row of blocks
                     array = unpermute_rows(array, heads)
+            if keep_packed:
+                fan_in, fan_out = (int(n) for n in tensor.shape[:2])
+                yield name, tensor.name, repack_gguf(array, tensor.tensor_type, fan_out, fan_in)
+                continue
             if name.endswith(".kernel"):
                 array = np.ascontiguousarray(array.T)
             elif array.ndim == 3:  # stacked experts: [experts, out, in] -> [experts, in, out]

@@ -22,8 +22,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.errors import CheckpointError
+from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.layers.attention import AttentionBackend
+from jaxinfer.layers.quant import PackedFormat
 from jaxinfer.models import CausalLM, model_class
 from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement
 from jaxinfer.parallel import named_sharding
@@ -32,8 +33,11 @@ from jaxinfer.weights import gguf_file as gguf_names
 from jaxinfer.weights import hf, orbax_io
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
+from jaxinfer.weights.shardings import param_sharding
+from jaxinfer.weights.weight_plan import WeightsChoice, formats_at_load, from_meta, packed_stream
 
 log = logging.getLogger(__name__)
+FROM_CHECKPOINT = WeightsChoice()  # weights_dtype auto: the checkpoint's own packing
 
 
 @dataclass
@@ -44,11 +48,13 @@ class LoadedModel:
 
 
 def abstract_model(cfg: ModelConfig, dtype: jnp.dtype, backend: AttentionBackend | None,
-                   mesh: Mesh | None = None) -> CausalLM:
-    """The model's tree without memory; its sparse layers split over `mesh`'s expert and model axes."""
+                   mesh: Mesh | None = None, packed: dict[str, PackedFormat] | None = None) -> CausalLM:
+    """The model's tree without memory; its sparse layers split over `mesh`'s expert and model axes,
+    and the projections in `packed` kept in their formats (layers/quant.py)."""
     cls = model_class(cfg.architecture)
     placement = ExpertPlacement(mesh.shape["expert"], mesh.shape["model"]) if mesh is not None else ONE_DEVICE
-    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, backend=backend, rngs=None, placement=placement))
+    return nnx.eval_shape(lambda: cls(cfg, dtype=dtype, backend=backend, rngs=None, placement=placement,
+                                      packed=packed))
 
 
 def parameters(model: nnx.Module) -> dict[str, nnx.Param]:
@@ -89,7 +95,7 @@ def fill(
                 f"(after converting to the engine layout)"
             )
         dtype = param.get_value().dtype
-        sharding = named_sharding(expected, param.logical_axes, mesh)
+        sharding = param_sharding(name, param, params, mesh)
         param.set_value(to_devices(_cast(array, dtype), sharding))
         filled[name] = tensor_name
     missing = sorted(checkpoint_name(name) for name in set(params) - set(filled))
@@ -118,37 +124,62 @@ def load_model(
     backend: AttentionBackend | None = None,
     gguf_file: GGUFCheckpoint | None = None,
     target: CausalLM | None = None,
+    weights: WeightsChoice = FROM_CHECKPOINT,
 ) -> LoadedModel:
     """Loads a registry name or path; pass an already opened `gguf_file` to avoid reading it twice.
 
-    `target`: the model a draft is loaded for; a draft checkpoint may take tensors from it."""
+    `target`: the model a draft is loaded for; a draft checkpoint may take tensors from it.
+    `weights`: which projections stay packed on the device, and how (weights/weight_plan.py)."""
     checkpoint = name_or_path if isinstance(name_or_path, ResolvedCheckpoint) else resolve(name_or_path)
     source = str(checkpoint.path)
     if checkpoint.kind == "gguf":
         gguf_file = gguf_file or GGUFCheckpoint(checkpoint.path)
         cfg = gguf_file.config()
-        tensors: Iterable = gguf_file.iter_tensors(cfg)
+        packed = _formats(weights, cfg, lambda: gguf_file.packed_formats(cfg))
+        tensors: Iterable = gguf_file.iter_tensors(cfg, set(packed) if weights.dtype == "auto" else set())
         names: Callable[[str], str] = gguf_names.checkpoint_name
     elif checkpoint.kind == "hf":
         cfg = hf.read_config(checkpoint.path)
+        packed = _formats(weights, cfg, dict)
         tensors, names = hf.iter_tensors(checkpoint.path, cfg), hf.checkpoint_name
     elif checkpoint.kind == "random":  # a model shape for benchmarks: config.json, no weights
         cfg = hf.read_config(checkpoint.path)
-        return LoadedModel(cfg, random_model(cfg, mesh, dtype, backend), checkpoint)
+        model = random_model(cfg, mesh, dtype, backend, packed=_formats(weights, cfg, dict))
+        return LoadedModel(cfg, model, checkpoint)
     else:
-        cfg = orbax_io.read_config(checkpoint.path)
-        model = abstract_model(cfg, dtype, backend, mesh)
-        shared = orbax_io.from_target(checkpoint.path)
-        if shared and target is None:
-            raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
-                                  "it as engine.draft_model of that target")
-        params = parameters(model)
-        stored = {name: param for name, param in params.items() if name not in shared}
-        tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, stored, mesh),
-                                  _target_tensors(shared, target, params, source))
-        return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
-    model = fill(abstract_model(cfg, dtype, backend, mesh), tensors, mesh, source, names)
-    return LoadedModel(cfg, model, checkpoint)
+        return _load_orbax(checkpoint, mesh, dtype, backend, target, weights)
+    model = abstract_model(cfg, dtype, backend, mesh, packed)
+    return LoadedModel(cfg, fill(model, packed_stream(tensors, packed), mesh, source, names), checkpoint)
+
+
+def _formats(weights: WeightsChoice, cfg: ModelConfig, stored: Callable[[], dict[str, PackedFormat]]
+             ) -> dict[str, PackedFormat]:
+    """The formats the model is built with: `stored()` gives what the checkpoint keeps packed."""
+    projections = parameters(abstract_model(cfg, jnp.float32, None)) if weights.dtype in ("int8", "int4") else {}
+    return formats_at_load(weights, projections, stored() if weights.dtype == "auto" else {})
+
+
+def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None,
+                target: CausalLM | None, weights: WeightsChoice) -> LoadedModel:
+    """An orbax checkpoint restored with each array's serving sharding; its packed projections are
+    restored packed (re-packing a stored checkpoint at load is not supported: convert it again)."""
+    source = str(checkpoint.path)
+    cfg = orbax_io.read_config(checkpoint.path)
+    stored = from_meta(orbax_io.read_meta(checkpoint.path).get("packed"))
+    if (stored and weights.dtype != "auto") or (not stored and weights.dtype in ("int8", "int4")):
+        raise ConfigError(f"engine.weights_dtype = {weights.dtype!r}: {source} is stored "
+                          f"{'packed' if stored else 'as floats'}; convert it with that setting "
+                          "(tools/convert.py --weights-dtype), or use auto")
+    model = abstract_model(cfg, dtype, backend, mesh, stored)
+    shared = orbax_io.from_target(checkpoint.path)
+    if shared and target is None:
+        raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
+                              "it as engine.draft_model of that target")
+    params = parameters(model)
+    kept = {name: param for name, param in params.items() if name not in shared}
+    tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, kept, mesh),
+                              _target_tensors(shared, target, params, source))
+    return LoadedModel(cfg, fill(model, tensors, mesh, source), checkpoint)
 
 
 def place_copy(model: CausalLM, mesh: Mesh) -> CausalLM:
@@ -190,19 +221,37 @@ def _ones(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> 
     return jax.lax.with_sharding_constraint(jnp.ones(shape, dtype), sharding)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _bits(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> jax.Array:
+    values = jax.random.bits(key, shape, jnp.uint8).view(dtype)
+    return jax.lax.with_sharding_constraint(values, sharding)
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding", "value"))
+def _full(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding, value: float) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.full(shape, value, dtype), sharding)
+
+
 def random_model(
-    cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None = None, seed: int = 0
+    cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None = None, seed: int = 0,
+    packed: dict[str, PackedFormat] | None = None,
 ) -> CausalLM:
-    """A model with N(0, 0.02) weights generated directly on device with their shardings (benchmarks)."""
-    model = abstract_model(cfg, dtype, backend, mesh)
+    """A model with N(0, 0.02) weights generated directly on device with their shardings (benchmarks);
+    packed projections get random values with a scale of about that size."""
+    model = abstract_model(cfg, dtype, backend, mesh, packed)
     key = jax.random.key(seed)
 
     def tensors():
         for i, (name, param) in enumerate(sorted(parameters(model).items())):
-            shape = tuple(param.get_value().shape)
+            value = param.get_value()
+            shape, stored = tuple(value.shape), value.dtype
             sharding = named_sharding(shape, param.logical_axes, mesh)
             if name.endswith("norm.weight"):
                 yield name, name, _ones(shape, dtype, sharding)
+            elif name.endswith("kernel_q"):
+                yield name, name, _bits(jax.random.fold_in(key, i), shape, stored, sharding)
+            elif name.endswith(("kernel_scale", "kernel_offset")):
+                yield name, name, _full(shape, stored, sharding, 0.005 if name.endswith("scale") else -0.04)
             else:
                 yield name, name, _normal(jax.random.fold_in(key, i), shape, dtype, sharding)
 

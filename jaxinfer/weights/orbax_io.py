@@ -26,8 +26,8 @@ from jax.sharding import Mesh
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
-from jaxinfer.parallel import named_sharding
 from jaxinfer.weights.registry import ORBAX_MARKER
+from jaxinfer.weights.shardings import param_sharding
 
 FORMAT = "jaxinfer-orbax"
 VERSION = 1
@@ -39,10 +39,11 @@ def _flat_key(name: str) -> str:
 
 
 def save(folder: Path, cfg: ModelConfig, params: dict[str, nnx.Param | np.ndarray | jax.Array], *, dtype: str,
-         source: str, from_target: tuple[str, ...] = ()) -> None:
+         source: str, from_target: tuple[str, ...] = (), packed: dict[str, Any] | None = None) -> None:
     """Writes the weights (parameters or plain arrays, by engine name) and the metadata marker last.
 
-    `from_target`: parameters left out because a draft takes them from its target at load time."""
+    `from_target`: parameters left out because a draft takes them from its target at load time.
+    `packed`: the packed projections' formats (weight_plan.to_meta), restored packed."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     state = {_flat_key(name): p.get_value() if isinstance(p, nnx.Param) else p for name, p in params.items()}
@@ -52,6 +53,8 @@ def save(folder: Path, cfg: ModelConfig, params: dict[str, nnx.Param | np.ndarra
     meta = {"format": FORMAT, "version": VERSION, "model_config": cfg.to_dict(), "dtype": dtype, "source": source}
     if from_target:
         meta["from_target"] = list(from_target)
+    if packed:
+        meta["packed"] = packed
     tmp = folder / (ORBAX_MARKER + ".tmp")
     tmp.write_text(json.dumps(meta, indent=2))
     tmp.replace(folder / ORBAX_MARKER)  # the marker appears last: a half-written folder is not a checkpoint
@@ -85,7 +88,7 @@ def restore_tensors(
     abstract = {}
     for name, param in params.items():
         value = param.get_value()
-        sharding = named_sharding(value.shape, param.logical_axes, mesh)
+        sharding = param_sharding(name, param, params, mesh)
         abstract[_flat_key(name)] = jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)
     state_dir = (Path(folder) / "state").absolute()
     if not state_dir.exists():

@@ -1,0 +1,23 @@
+"""Where each loaded parameter lives on the mesh: its logical axes' sharding, with the one rule
+packed kernels add (a quantization group never straddles two devices). The loader places tensors
+with it and orbax restores them with it, so both read the same shards."""
+
+from __future__ import annotations
+
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxinfer.parallel import named_sharding
+
+
+def param_sharding(name: str, param: nnx.Param, params: dict[str, nnx.Param], mesh: Mesh) -> NamedSharding:
+    """The parameter's sharding from its logical axes; a packed kernel's values split their input rows
+    over a mesh axis only where its groups' scales split too (the axis divides the group count), so a
+    group never straddles two devices. Otherwise that dimension stays replicated, as any other that
+    the axis does not divide."""
+    sharding = named_sharding(tuple(param.get_value().shape), param.logical_axes, mesh)
+    if not name.endswith(".kernel_q"):
+        return sharding
+    scale = params[name.removesuffix("_q") + "_scale"]
+    rows = named_sharding(tuple(scale.get_value().shape), scale.logical_axes, mesh).spec[0]
+    return NamedSharding(mesh, PartitionSpec(rows, *sharding.spec[1:]))

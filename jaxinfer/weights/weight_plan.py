@@ -1,0 +1,89 @@
+"""Which of a model's projections stay packed on the device, and in which format
+(`engine.weights_dtype`, docs/models.md "Packed weights").
+
+- `auto`: the checkpoint's own quantization is kept. A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+  projections stay in their blocks (weights/packing.py), an orbax checkpoint's packed projections
+  stay packed, and float checkpoints stay float.
+- `int8` / `int4`: every projection of the layers is quantized at load, per group of
+  `engine.weights_group` input rows (a quantized GGUF's projections are dequantized first).
+- `float32` / `bfloat16`: every weight is dequantized at load into the engine's dtype (what the
+  engine did before packed weights).
+
+The embedding, the output head, norms, routers and experts stay float in every mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxinfer.errors import ConfigError
+from jaxinfer.layers.quant import PackedFormat, load_format
+from jaxinfer.weights.packing import PackedTensor, quantize_kernel
+
+WEIGHTS_DTYPES = ("auto", "int8", "int4", "float32", "bfloat16")
+WEIGHTS_GROUPS = (16, 32, 64, 128, 256)
+PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.kernel$")
+
+
+@dataclass(frozen=True)
+class WeightsChoice:
+    """`engine.weights_dtype` and `engine.weights_group`, checked."""
+
+    dtype: str = "auto"
+    group: int = 32
+
+    def __post_init__(self) -> None:
+        if self.dtype not in WEIGHTS_DTYPES:
+            raise ConfigError(f"engine.weights_dtype must be one of {', '.join(WEIGHTS_DTYPES)}, got {self.dtype!r}")
+        if self.group not in WEIGHTS_GROUPS:
+            raise ConfigError(f"engine.weights_group must be one of {', '.join(map(str, WEIGHTS_GROUPS))}, got "
+                              f"{self.group!r}")
+
+    @property
+    def unpacked(self) -> bool:
+        return self.dtype in ("float32", "bfloat16")
+
+
+def formats_at_load(choice: WeightsChoice, projections: Iterable[str],
+                    checkpoint_formats: dict[str, PackedFormat]) -> dict[str, PackedFormat]:
+    """The packed format of each projection kernel (by parameter name) the model is built with;
+    `checkpoint_formats`: what the checkpoint itself keeps packed (GGUF blocks, orbax meta)."""
+    if choice.unpacked:
+        return {}
+    if choice.dtype == "auto":
+        return dict(checkpoint_formats)
+    fmt = load_format(8 if choice.dtype == "int8" else 4, choice.group)
+    return {name: fmt for name in projections if PROJECTION.match(name)}
+
+
+def packed_stream(tensors: Iterable[tuple[str, str, Any]], formats: dict[str, PackedFormat]
+                  ) -> Iterator[tuple[str, str, Any]]:
+    """A checkpoint's tensors with each packed kernel split into its stored arrays (`kernel_q`,
+    `kernel_scale`, `kernel_offset`), quantizing a float one into its format on the way."""
+    for name, tensor_name, array in tensors:
+        fmt = formats.get(name)
+        if fmt is None:
+            yield name, tensor_name, array
+            continue
+        if not isinstance(array, PackedTensor):
+            array = quantize_kernel(np.asarray(array, np.float32), fmt, tensor_name)
+        elif array.fmt != fmt:
+            raise ConfigError(f"{tensor_name}: packed as {array.fmt.name}, the model was built for {fmt.name}")
+        base = name.removesuffix("kernel")
+        for suffix, stored in array.arrays.items():
+            yield f"{base}kernel_{suffix}", tensor_name, stored
+
+
+def to_meta(formats: dict[str, PackedFormat]) -> dict[str, dict[str, Any]]:
+    """The formats as an orbax checkpoint's metadata records them."""
+    return {name: dataclasses.asdict(fmt) for name, fmt in formats.items()}
+
+
+def from_meta(meta: dict[str, dict[str, Any]] | None) -> dict[str, PackedFormat]:
+    return {name: PackedFormat(**fields) for name, fields in (meta or {}).items()}
