@@ -209,7 +209,7 @@ class EngineConfig:
     """How the engine lays out memory and work. Every field can be set from TOML."""
 
     dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU/TPU
-    # projections kept packed on the device (weights/weight_plan.py): auto | int8 | int4 | float32 | bfloat16
+    # projections kept packed on the device (weights/weight_plan.py): auto | packed | int8 | int4 | float32 | bfloat16
     weights_dtype: str = "auto"
     weights_group: int = 32  # input rows per scale for int8 / int4
     page_size: int = 16

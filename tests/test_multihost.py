@@ -227,7 +227,7 @@ reference = parameters(load_model("smollm2-135m", make_mesh(1, 1), jnp.float32).
 report = {}
 for data, model in ((1, 8), (2, 4), (4, 1)):
     params = parameters(load_model(folder, make_mesh(data, model), jnp.float32).model)
-    up = params["model.layers.0.mlp.up_proj.kernel_q"].get_value()  # the Q4_1 blocks, kept packed
+    up = params["model.layers.0.mlp.up_proj.kernel"].get_value()
     report[f"{data}x{model}"] = dict(
         equal=all(np.array_equal(np.asarray(p.get_value()), np.asarray(reference[name].get_value()))
                   for name, p in params.items()),

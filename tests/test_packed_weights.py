@@ -29,6 +29,7 @@ from jaxinfer.weights.weight_plan import WeightsChoice, to_meta
 
 GGML = gguf.GGMLQuantizationType
 FLOAT = WeightsChoice("float32")
+PACKED = WeightsChoice("packed")
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_load_time_quantization_is_within_half_a_step_of_each_weight(bits):
 
 
 def test_smollm2_from_its_q4_1_blocks_gives_the_dequantized_logits(mesh):
-    packed = load_model("smollm2-135m", mesh, jnp.float32)
+    packed = load_model("smollm2-135m", mesh, jnp.float32, weights=PACKED)
     floats = load_model("smollm2-135m", mesh, jnp.float32, weights=FLOAT)
     formats = dict(packed.model.packed_formats)
     assert len(formats) == 30 * 7 and set(formats.values()) == {Q4_1} and not floats.model.packed_formats
@@ -92,6 +93,21 @@ def test_smollm2_from_its_q4_1_blocks_gives_the_dequantized_logits(mesh):
     def weight_bytes(model):
         return sum(p.get_value().nbytes for p in parameters(model).values())
     assert weight_bytes(packed.model) < 0.35 * weight_bytes(floats.model)  # the float embedding is most of it
+    auto = load_model("smollm2-135m", mesh, jnp.float32)  # weights_dtype auto: dequantized at load on the CPU
+    assert not auto.model.packed_formats and weight_bytes(auto.model) == weight_bytes(floats.model)
+
+
+def test_an_engine_on_packed_weights_generates_the_float_engine_s_tokens(smollm2_llm):
+    from conftest import TEST_ENGINE
+
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM("smollm2-135m", **{**TEST_ENGINE, "token_buckets": (8, 64)}, weights_dtype="packed")
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == [
+        o.token_ids for o in smollm2_llm.generate(prompts, greedy)]
+    assert llm.engine.metrics()["weight_bytes"] < 0.35 * smollm2_llm.engine.metrics()["weight_bytes"]
 
 
 def test_the_engine_reports_its_device_bytes(smollm2_llm):
@@ -156,12 +172,12 @@ def test_a_gguf_projection_in_an_unpacked_quantization_is_refused_by_name(tmp_pa
 
     config = dict(CONFIG, hidden_size=64, intermediate_size=64)
     packed = write_gguf(tmp_path / "q4.gguf", config=config, quantized={"blk.0.ffn_up.weight": GGML.Q4_1})
-    assert dict(load_model(packed, mesh, jnp.float32).model.packed_formats) == {
+    assert dict(load_model(packed, mesh, jnp.float32, weights=PACKED).model.packed_formats) == {
         "model.layers.0.mlp.up_proj.kernel": Q4_1}
     path = write_gguf(tmp_path / "q5.gguf", config=config, quantized={"blk.0.ffn_up.weight": GGML.Q5_0})
     with pytest.raises(CheckpointError, match=r"tensor blk\.0\.ffn_up\.weight is Q5_0, a quantization the engine "
                                               r"does not keep packed .*weights_dtype = \"float32\""):
-        load_model(path, mesh, jnp.float32)
+        load_model(path, mesh, jnp.float32, weights=PACKED)
     assert not load_model(path, mesh, jnp.float32, weights=FLOAT).model.packed_formats  # dequantized at load
 
 
@@ -169,7 +185,7 @@ def test_weight_settings_are_checked_by_name():
     from jaxinfer.config import EngineConfig
     from jaxinfer.llm import weights_setting
 
-    with pytest.raises(ConfigError, match=r"engine.weights_dtype must be one of auto, int8, int4"):
+    with pytest.raises(ConfigError, match=r"engine.weights_dtype must be one of auto, packed, int8, int4"):
         WeightsChoice("int3")
     with pytest.raises(ConfigError, match=r"engine.weights_group must be one of 16, 32, 64, 128, 256"):
         WeightsChoice("int4", 48)

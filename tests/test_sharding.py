@@ -49,7 +49,7 @@ single = [o.token_ids for o in LLM("smollm2-135m", mesh_model=1, **engine).gener
 sharded_llm = LLM("smollm2-135m", mesh_model=8, **engine)
 sharded = [o.token_ids for o in sharded_llm.generate_chat(chats, greedy)]
 up = parameters(sharded_llm.runner.graphdef and __import__("flax").nnx.merge(sharded_llm.runner.graphdef,
-                sharded_llm.runner.state))["model.layers.0.mlp.up_proj.kernel_q"].get_value()
+                sharded_llm.runner.state))["model.layers.0.mlp.up_proj.kernel"].get_value()
 report["smollm2"] = dict(same_tokens=single == sharded, up_spec=str(up.sharding.spec), tokens=sharded)
 print("REPORT " + json.dumps(report))
 """

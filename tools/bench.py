@@ -18,6 +18,7 @@
     python tools/bench.py --no-peer shape           # llama3-8b shape, random weights: decode vs roofline, offline
     python tools/bench.py --no-peer start           # engine start on a warm compilation cache: load, lower, read
     python tools/bench.py --no-peer moe             # a Qwen3-30B-A3B sparse layer: grouped vs dense; EP bytes
+    python tools/bench.py weights                   # packed weights: bytes, tok/s, perplexity per format vs HF
 
 Prints one JSON line per measurement and the ratios to the peer. Prompts are random token ids
 (seeded); throughput runs generate exactly the asked number of tokens (EOS ignored), as the peers
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 
 import bench_moe
+import bench_weights
 import processor_bench
 import shape_bench
 from bench_common import load_llm
@@ -89,6 +91,7 @@ def main() -> None:
     sampler.add_argument("--vocab", type=int, default=128256)
     sampler.add_argument("--repeats", type=int, default=5)
     bench_moe.add_arguments(sub.add_parser("moe", description=bench_moe.__doc__.splitlines()[0]))
+    bench_weights.add_arguments(sub.add_parser("weights", description=bench_weights.__doc__.splitlines()[0]))
     shape_bench.add_arguments(sub.add_parser("shape", description=shape_bench.__doc__.splitlines()[0]))
     start = sub.add_parser("start", description=bench_start.__doc__.splitlines()[0])
     start.add_argument("--repeats", type=int, default=3)
@@ -125,6 +128,8 @@ def main() -> None:
         shape_bench.bench(args)
     elif args.workload == "moe":
         bench_moe.bench(args)
+    elif args.workload == "weights":
+        bench_weights.bench(args)
     elif args.workload == "exec":
         bench_exec(args)
     elif args.workload == "guided-sizes":

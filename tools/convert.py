@@ -1,7 +1,7 @@
 """Converts a checkpoint (registry name, GGUF file or HF folder) to the native orbax format.
 
     python tools/convert.py --model smollm2-135m --output /tmp/smollm2-orbax [--dtype bfloat16]
-        [--weights-dtype auto|int8|int4|float32|bfloat16] [--weights-group 32]
+        [--weights-dtype auto|packed|int8|int4|float32|bfloat16] [--weights-group 32]
 
 The output folder holds the orbax-saved weights, the model config, the tokenizer and `self_test.json`
 (a fixed greedy prompt's tokens, which a server checks before it reports SERVING); `--model` of
@@ -31,7 +31,7 @@ from jaxinfer.weights.weight_plan import WEIGHTS_DTYPES, WeightsChoice, to_meta
 
 def convert(model: str, output: Path, dtype: str, mesh_model: int, weights_dtype: str = "auto",
             weights_group: int = 32) -> float:
-    """`weights_dtype` as the engine setting: "auto" keeps a GGUF's packed projections packed."""
+    """`weights_dtype` as the engine setting: "packed" keeps a GGUF's packed projections packed."""
     start = time.perf_counter()
     checkpoint = resolve(model)
     gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--mesh-model", type=int, default=1, help="devices the weights are sharded over while saving")
     p.add_argument("--weights-dtype", default="auto", choices=WEIGHTS_DTYPES,
-                   help="projections stored packed: auto keeps a GGUF's blocks, int8 and int4 quantize")
+                   help="projections stored packed: packed keeps a GGUF's blocks, int8 and int4 quantize")
     p.add_argument("--weights-group", type=int, default=32, help="input rows per scale for int8 / int4")
     args = p.parse_args(argv)
     try:

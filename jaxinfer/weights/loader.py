@@ -135,16 +135,17 @@ def load_model(
     if checkpoint.kind == "gguf":
         gguf_file = gguf_file or GGUFCheckpoint(checkpoint.path)
         cfg = gguf_file.config()
-        packed = _formats(weights, cfg, lambda: gguf_file.packed_formats(cfg))
-        tensors: Iterable = gguf_file.iter_tensors(cfg, set(packed) if weights.dtype == "auto" else set())
+        packed = _formats(weights, cfg, lambda: gguf_file.packed_formats(cfg), mesh)
+        kept = set(packed) if weights.keeps_checkpoint_packing(_platform(mesh)) else set()
+        tensors: Iterable = gguf_file.iter_tensors(cfg, kept)
         names: Callable[[str], str] = gguf_names.checkpoint_name
     elif checkpoint.kind == "hf":
         cfg = hf.read_config(checkpoint.path)
-        packed = _formats(weights, cfg, dict)
+        packed = _formats(weights, cfg, dict, mesh)
         tensors, names = hf.iter_tensors(checkpoint.path, cfg), hf.checkpoint_name
     elif checkpoint.kind == "random":  # a model shape for benchmarks: config.json, no weights
         cfg = hf.read_config(checkpoint.path)
-        model = random_model(cfg, mesh, dtype, backend, packed=_formats(weights, cfg, dict))
+        model = random_model(cfg, mesh, dtype, backend, packed=_formats(weights, cfg, dict, mesh))
         return LoadedModel(cfg, model, checkpoint)
     else:
         return _load_orbax(checkpoint, mesh, dtype, backend, target, weights)
@@ -152,11 +153,17 @@ def load_model(
     return LoadedModel(cfg, fill(model, packed_stream(tensors, packed), mesh, source, names), checkpoint)
 
 
-def _formats(weights: WeightsChoice, cfg: ModelConfig, stored: Callable[[], dict[str, PackedFormat]]
+def _platform(mesh: Mesh) -> str:
+    return mesh.devices.flat[0].platform
+
+
+def _formats(weights: WeightsChoice, cfg: ModelConfig, stored: Callable[[], dict[str, PackedFormat]], mesh: Mesh
              ) -> dict[str, PackedFormat]:
-    """The formats the model is built with: `stored()` gives what the checkpoint keeps packed."""
+    """The formats the model is built with: `stored()` gives what the checkpoint keeps packed (read,
+    and its quantizations checked, only where they would be kept)."""
     projections = parameters(abstract_model(cfg, jnp.float32, None)) if weights.dtype in ("int8", "int4") else {}
-    return formats_at_load(weights, projections, stored() if weights.dtype == "auto" else {})
+    kept = stored() if weights.keeps_checkpoint_packing(_platform(mesh)) else {}
+    return formats_at_load(weights, projections, kept, _platform(mesh))
 
 
 def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None,
@@ -166,10 +173,10 @@ def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, ba
     source = str(checkpoint.path)
     cfg = orbax_io.read_config(checkpoint.path)
     stored = from_meta(orbax_io.read_meta(checkpoint.path).get("packed"))
-    if (stored and weights.dtype != "auto") or (not stored and weights.dtype in ("int8", "int4")):
+    if (stored and weights.dtype not in ("auto", "packed")) or (not stored and weights.dtype in ("int8", "int4")):
         raise ConfigError(f"engine.weights_dtype = {weights.dtype!r}: {source} is stored "
                           f"{'packed' if stored else 'as floats'}; convert it with that setting "
-                          "(tools/convert.py --weights-dtype), or use auto")
+                          "(tools/convert.py --weights-dtype), or use auto or packed")
     model = abstract_model(cfg, dtype, backend, mesh, stored)
     shared = orbax_io.from_target(checkpoint.path)
     if shared and target is None:

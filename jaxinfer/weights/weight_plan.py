@@ -1,9 +1,13 @@
 """Which of a model's projections stay packed on the device, and in which format
 (`engine.weights_dtype`, docs/models.md "Packed weights").
 
-- `auto`: the checkpoint's own quantization is kept. A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
+- `packed`: the checkpoint's own quantization is kept. A GGUF file's Q8_0, Q4_0, Q4_1, Q4_K and Q6_K
   projections stay in their blocks (weights/packing.py), an orbax checkpoint's packed projections
   stay packed, and float checkpoints stay float.
+- `auto`: `packed` on GPUs and TPUs. On the CPU a GGUF's projections are dequantized at load: XLA's
+  CPU backend writes each dequantized weight out before its matmul, every step, which made SmolLM2
+  4.2x slower at batch 1 (docs/benchmarks.md, "CPU: packed weights"). An orbax checkpoint stored
+  packed stays packed everywhere.
 - `int8` / `int4`: every projection of the layers is quantized at load, per group of
   `engine.weights_group` input rows (a quantized GGUF's projections are dequantized first).
 - `float32` / `bfloat16`: every weight is dequantized at load into the engine's dtype (what the
@@ -26,7 +30,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.layers.quant import PackedFormat, load_format
 from jaxinfer.weights.packing import PackedTensor, quantize_kernel
 
-WEIGHTS_DTYPES = ("auto", "int8", "int4", "float32", "bfloat16")
+WEIGHTS_DTYPES = ("auto", "packed", "int8", "int4", "float32", "bfloat16")
 WEIGHTS_GROUPS = (16, 32, 64, 128, 256)
 PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.kernel$")
 
@@ -50,14 +54,17 @@ class WeightsChoice:
         return self.dtype in ("float32", "bfloat16")
 
 
+    def keeps_checkpoint_packing(self, platform: str) -> bool:
+        """Whether the checkpoint's own packed projections stay packed on `platform`."""
+        return self.dtype == "packed" or (self.dtype == "auto" and platform != "cpu")
+
+
 def formats_at_load(choice: WeightsChoice, projections: Iterable[str],
-                    checkpoint_formats: dict[str, PackedFormat]) -> dict[str, PackedFormat]:
-    """The packed format of each projection kernel (by parameter name) the model is built with;
-    `checkpoint_formats`: what the checkpoint itself keeps packed (GGUF blocks, orbax meta)."""
-    if choice.unpacked:
-        return {}
-    if choice.dtype == "auto":
-        return dict(checkpoint_formats)
+                    checkpoint_formats: dict[str, PackedFormat], platform: str) -> dict[str, PackedFormat]:
+    """The packed format of each projection kernel (by parameter name) the model is built with on
+    `platform`; `checkpoint_formats`: what the checkpoint itself keeps packed (GGUF blocks)."""
+    if choice.unpacked or choice.dtype in ("auto", "packed"):
+        return dict(checkpoint_formats) if choice.keeps_checkpoint_packing(platform) else {}
     fmt = load_format(8 if choice.dtype == "int8" else 4, choice.group)
     return {name: fmt for name in projections if PROJECTION.match(name)}
 
