@@ -6,7 +6,7 @@
   stay packed, and float checkpoints stay float.
 - `auto`: `packed` on GPUs and TPUs. On the CPU a GGUF's projections are dequantized at load: XLA's
   CPU backend writes each dequantized weight out before its matmul, every step, which made SmolLM2
-  4.2x slower at batch 1 (docs/benchmarks.md, "CPU: packed weights"). An orbax checkpoint stored
+  3.8x slower at batch 1 (docs/benchmarks.md, "CPU: packed weights"). An orbax checkpoint stored
   packed stays packed everywhere.
 - `int8` / `int4`: every projection of the layers is quantized at load, per group of
   `engine.weights_group` input rows (a quantized GGUF's projections are dequantized first).
