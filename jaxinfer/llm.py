@@ -187,7 +187,7 @@ class LLM:
         gguf_file = GGUFCheckpoint(checkpoint.path) if checkpoint.kind == "gguf" else None
         backend = make_backend(cfg.attention_backend, block_tokens=cfg.attention_block_tokens,
                                query_tile=cfg.attention_query_tile, model_parallel=self.mesh.shape["model"],
-                               expert_parallel=self.mesh.shape["expert"])
+                               expert_parallel=self.mesh.shape["expert"], kv_dtype=cfg.kv_dtype)
         meshes = replica_meshes(self.mesh)
         loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file, weights=weights)
         if cfg.mesh_expert > 1 and loaded.config.moe is None:
@@ -259,8 +259,9 @@ class LLM:
         store = None
         if cfg.kv_store:
             # The files' content, not their name or place: the same checkpoint anywhere shares pages.
-            identity = ModelIdentity(fingerprint(checkpoint.path), jnp.dtype(self.dtype).name, cfg.page_size,
-                                     m.num_layers, m.num_kv_heads, m.head_dim)
+            stored_dtype, stored_width = self.runner.model.kv_layout.stored_page(self.dtype)  # int8 KV: + scales
+            identity = ModelIdentity(fingerprint(checkpoint.path), stored_dtype, cfg.page_size, m.num_layers,
+                                     m.num_kv_heads, stored_width)
             store = PageStore(cfg.kv_store, identity, cfg.kv_store_ttl_seconds, cfg.kv_store_max_bytes,
                               cfg.kv_store_timeout_seconds)
         return TieredPages(HostTier(cfg.kv_host_pages) if cfg.kv_host_pages else None, store,

@@ -3,6 +3,7 @@ beside transformers' float32 perplexity on the same text.
 
     python tools/bench.py weights --formats float32 packed int8 int4   # packed: its Q4_1 blocks
     python tools/bench.py --no-peer weights --formats packed float32 --batch 1 32
+    python tools/bench.py --no-peer weights --formats float32 --kv-dtype int8     # int8 KV pages
 
 Each format is a fresh engine (`engine.weights_dtype`) on the same engine config:
 - `weight_bytes` and `kv_pool_bytes` are the engine's metrics, summed from the device arrays; the
@@ -31,6 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--in-len", type=int, default=64)
     parser.add_argument("--out-len", type=int, default=32)
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="engine.kv_dtype for every run")
 
 
 def perplexity(llm, ids: list[int]) -> float:
@@ -60,11 +62,12 @@ def bench(args: argparse.Namespace) -> None:
 
     ids = None
     for fmt in args.formats:
-        llm = LLM(args.model, args.config, weights_dtype=fmt, weights_group=args.group)
+        llm = LLM(args.model, args.config, weights_dtype=fmt, weights_group=args.group, kv_dtype=args.kv_dtype)
         ids = ids or llm.tokenizer.encode_prompt(TEXT.read_text())
         metrics = llm.engine.metrics()
         pool_tokens = llm.config.num_pages * llm.config.page_size
-        record = dict(what="weights_format", weights_dtype=fmt, group=args.group if fmt.startswith("int") else None,
+        record = dict(what="weights_format", weights_dtype=fmt, kv_dtype=args.kv_dtype,
+                      group=args.group if fmt.startswith("int") else None,
                       weight_bytes=metrics["weight_bytes"],
                       kv_bytes_per_4096_tokens=round(metrics["kv_pool_bytes"] * 4096 / pool_tokens),
                       perplexity=round(perplexity(llm, ids), 4), text_tokens=len(ids))

@@ -99,7 +99,9 @@ def model_bytes_and_flops(llm) -> tuple[int, int]:
         if "embed_tokens" in name and not llm.model_config.tie_word_embeddings:
             continue
         weight_bytes += array.nbytes
-        if array.ndim == 2 or "embed_tokens" in name:
+        if name.endswith("kernel_q"):  # a packed projection: 4-bit values are two to a byte
+            matmul_params += array.size * (2 if array.dtype == np.uint8 else 1)
+        elif (array.ndim == 2 and name.endswith("kernel")) or "embed_tokens" in name:
             matmul_params += array.size
     return weight_bytes, 2 * matmul_params
 
@@ -183,6 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "CPU, configs/engine-gpu.toml elsewhere); batch, lengths and pages are set to fit the runs")
     p.add_argument("--attention", choices=ATTENTION_BACKENDS, default=None,
                    help="engine.attention_backend (default: the engine config's, auto)")
+    p.add_argument("--weights-dtype", default="auto", help="engine.weights_dtype: int8 / int4 pack the random "
+                   "projections (docs/models.md, \"Packed weights\"); the roofline counts their packed bytes")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--in-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -210,6 +214,7 @@ def bench(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as directory:
         start = time.perf_counter()
         overrides = {} if args.attention is None else {"attention_backend": args.attention}
+        overrides["weights_dtype"] = args.weights_dtype
         llm = LLM(str(shape_folder(args.shape, Path(directory))), config, max_seqs=max_seqs,
                   max_model_len=longest, num_pages=max_seqs * (-(-longest // 16) + 1) + 1, page_size=16, **overrides)
         emit(dict(what="jaxinfer_shape_env", shape=args.shape, jax=jax.__version__, backend=jax.default_backend(),

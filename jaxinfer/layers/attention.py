@@ -31,6 +31,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
+from jaxinfer.layers.kv_quant import Int8SplitPages, QuantizedKV, dequantize_rows
 from jaxinfer.parallel.mesh import MESH_AXES
 
 NEG_INF = -1e30
@@ -95,14 +96,20 @@ class SplitLayout:
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceAttention(SplitLayout):
-    """Gather-based paged attention in plain JAX; exact (float32 softmax) and backend-neutral."""
+    """Gather-based paged attention in plain JAX; exact (float32 softmax) and backend-neutral. With
+    `kv_dtype = "int8"` its pages are int8 (`layers/kv_quant.py`), dequantized a block at a time."""
 
     block_tokens: int = 128
     query_tile: int = 16
+    kv_dtype: str = "auto"
 
-    def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
+    def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> SplitPages | Int8SplitPages:
+        return Int8SplitPages(kv_heads, head_dim) if self.kv_dtype == "int8" else SplitPages(kv_heads, head_dim)
+
+    def attend(self, q: jax.Array, cache: KVCache | QuantizedKV, meta: AttentionMetadata, scale: float,
                layout: KVLayout | None = None) -> jax.Array:
-        k_cache, v_cache = cache
+        k_cache, v_cache = cache[0], cache[1]
+        scales = (cache.k_scale, cache.v_scale) if isinstance(cache, QuantizedKV) else (None, None)
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, page_size = k_cache.shape[0], k_cache.shape[2]
         group = num_heads // kv_heads
@@ -113,7 +120,7 @@ class ReferenceAttention(SplitLayout):
         q_tiles = q.reshape(num_tiles, tile, kv_heads, group, head_dim)
         pos_tiles = meta.positions.reshape(num_tiles, tile)
         row_tiles = meta.seq_rows.reshape(num_tiles, tile)
-        block = _BlockAttention(k_cache, v_cache, meta.page_table, block_pages, page_size, scale)
+        block = _BlockAttention(k_cache, v_cache, meta.page_table, block_pages, page_size, scale, *scales)
 
         def one_tile(i: jax.Array) -> jax.Array:
             q_i, pos_i, rows_i = q_tiles[i], pos_tiles[i], row_tiles[i]
@@ -136,6 +143,8 @@ class _BlockAttention:
     block_pages: int
     page_size: int
     scale: float
+    k_scale: jax.Array | None = None  # int8 pages: each row's scale [kv_heads, pages, page_size]
+    v_scale: jax.Array | None = None
 
     def shared_sequence(self, q: jax.Array, pos: jax.Array, rows: jax.Array) -> jax.Array:
         pages_of_row = self.page_table[rows[0]]
@@ -164,6 +173,9 @@ class _BlockAttention:
         cache = self.v_cache if values else self.k_cache
         heads = jnp.arange(cache.shape[0]).reshape((-1,) + (1,) * (ids.ndim - 1))
         block = cache[heads, ids]
+        row_scales = self.v_scale if values else self.k_scale
+        if row_scales is not None:
+            block = dequantize_rows(block, row_scales[heads, ids])
         *lead, nb, ps, d = block.shape
         return block.reshape(*lead, nb * ps, d)
 

@@ -23,12 +23,21 @@ def backend_name(name: str, platform: str | None = None) -> str:
     return AUTO_BACKEND.get(platform or jax.default_backend(), "reference")
 
 
+KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
+
+
 def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
-                 platform: str | None = None, expert_parallel: int = 1) -> AttentionBackend:
+                 platform: str | None = None, expert_parallel: int = 1, kv_dtype: str = "auto") -> AttentionBackend:
     """The backend for a replica whose mesh has `model_parallel` devices on its model axis (and
-    `expert_parallel` on its expert axis, which only the reference backend runs beside yet)."""
+    `expert_parallel` on its expert axis), keeping KV pages in `kv_dtype`; only the reference backend
+    runs beside an expert axis or reads int8 pages yet."""
     platform = platform or jax.default_backend()
     name = backend_name(name, platform)
+    if kv_dtype not in KV_DTYPES:
+        raise ConfigError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
+    if kv_dtype != "auto" and name != "reference":
+        raise ConfigError(f"engine.kv_dtype = {kv_dtype} is read by the reference attention backend only yet, and "
+                          f"engine.attention_backend is {name}; use attention_backend = reference")
     if expert_parallel > 1 and name != "reference":
         raise ConfigError(f"engine.attention_backend = {name} beside engine.mesh_expert = {expert_parallel} is not "
                           "supported yet (its kernel runs in shard_map over the data and model axes only); use "
@@ -39,7 +48,7 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
                           f"platform is {platform} (use auto or reference; ragged_reference runs the TPU "
                           f"backend's layout anywhere)")
     if name == "reference":
-        return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile)
+        return ReferenceAttention(block_tokens=block_tokens, query_tile=query_tile, kv_dtype=kv_dtype)
     if name == "pallas_gpu":
         from jaxinfer.layers.pallas_attention import PallasGpuAttention
 

@@ -57,6 +57,10 @@ class KVLayout(Protocol):
         whole on every device), the same rule `empty` shards by."""
         ...
 
+    def stored_page(self, dtype: jnp.dtype) -> tuple[str, int]:
+        """The dtype name and last dimension of a page as it leaves the device, for a model of `dtype`."""
+        ...
+
 
 def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, mesh: Mesh | None) -> jax.Array:
     if mesh is None:
@@ -89,6 +93,9 @@ class SplitPages:
 
     def export(self, cache: KVCache, pages: jax.Array) -> jax.Array:
         return jnp.moveaxis(jnp.stack([cache.k[:, pages], cache.v[:, pages]]), 2, 0)
+
+    def stored_page(self, dtype: jnp.dtype) -> tuple[str, int]:
+        return jnp.dtype(dtype).name, self.head_dim
 
     def import_pages(self, cache: KVCache, pages: jax.Array, data: jax.Array) -> KVCache:
         data = jnp.moveaxis(data, 0, 2).astype(cache.k.dtype)  # [2, kv_heads, pages, page_size, head_dim]
@@ -180,6 +187,9 @@ class CombinedPages:
         pairs = self.strip_heads(picked.reshape(n, page_size, self.shards * self.padded_kv_heads, 2,
                                                 self.padded_head_dim))
         return jnp.transpose(pairs, (0, 3, 2, 1, 4))  # [n, 2, kv_heads, page_size, head_dim]
+
+    def stored_page(self, dtype: jnp.dtype) -> tuple[str, int]:
+        return jnp.dtype(dtype).name, self.head_dim
 
     def import_pages(self, cache: jax.Array, pages: jax.Array, data: jax.Array) -> jax.Array:
         pairs = self.pad_heads(jnp.transpose(data, (0, 3, 2, 1, 4)))  # [n, page_size, heads, 2, lanes]
