@@ -69,7 +69,7 @@ def test_int8_pages_leave_and_come_back_bit_for_bit():
 
 @pytest.fixture(scope="module")
 def int8_llm():
-    return LLM("smollm2-135m", **TEST_ENGINE, kv_dtype="int8")
+    return LLM("smollm2-135m", **{**TEST_ENGINE, "token_buckets": (8, 64)}, kv_dtype="int8")
 
 
 def test_smollm2_on_int8_kv_keeps_most_greedy_tokens_in_a_quarter_of_the_bytes(int8_llm, smollm2_llm):
