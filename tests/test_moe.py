@@ -436,12 +436,13 @@ for expert, model_axis in [(1, 1), (2, 1), (4, 1), (2, 2)]:
     logits = harness_logits(loaded.model)
     reference = logits if reference is None else reference
     shard = parameters(loaded.model)[EXPERTS].get_value().addressable_shards[0].data.shape
-    llm = LLM(folder, mesh_expert=expert, mesh_model=model_axis, max_seqs=4, num_pages=64, page_size=8,
-              token_buckets=(4, 16), compile_guard="raise")
-    prompts = [prompt[:n] for n in (7, 30)]
-    tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))]
-    report[f"{expert}x{model_axis}"] = dict(diff=float(np.abs(logits - reference).max()), shard=list(shard),
-                                           tokens=tokens, compiles=llm.runner.compiles_after_warmup)
+    report[f"{expert}x{model_axis}"] = dict(diff=float(np.abs(logits - reference).max()), shard=list(shard))
+    if (expert, model_axis) in ((1, 1), (2, 2)):  # the engine's step too: one device, and both axes split
+        llm = LLM(folder, mesh_expert=expert, mesh_model=model_axis, max_seqs=4, num_pages=64, page_size=8,
+                  token_buckets=(4, 16), compile_guard="raise")
+        prompts = [prompt[:n] for n in (7, 30)]
+        tokens = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0))]
+        report[f"{expert}x{model_axis}"].update(tokens=tokens, compiles=llm.runner.compiles_after_warmup)
     if expert == 1 and model_axis == 1:
         orbax_io.save(__import__("pathlib").Path(orbax_folder), loaded.config, parameters(loaded.model),
                       dtype="float32", source="test")
@@ -465,8 +466,9 @@ def test_expert_parallel_runs_equal_one_device(served_folder, tmp_path):
     one = report["1x1"]
     for name, shard in {"1x1": [8, 64, 16], "2x1": [4, 64, 16], "4x1": [2, 64, 16], "2x2": [4, 64, 8]}.items():
         run = report[name]
-        assert run["diff"] < 1e-5 and run["tokens"] == one["tokens"] and run["compiles"] == 0, (name, run)
-        assert run["shard"] == shard, name
+        assert run["diff"] < 1e-5 and run["shard"] == shard, (name, run)
+        assert run.get("tokens", one["tokens"]) == one["tokens"] and run.get("compiles", 0) == 0, (name, run)
+    assert "tokens" in report["2x2"] and all(one["tokens"])
     assert report["orbax"]["diff"] < 1e-5 and report["orbax"]["shards"] == [[2, 64, 16]], report["orbax"]
 
 
