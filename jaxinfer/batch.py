@@ -179,9 +179,10 @@ def _adapters_named(jobs: list[Job]) -> list[str]:
 def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job], first: int) -> dict[str, Any]:
     """Runs the lines from position `first` on, appending their output lines in order."""
     todo = list(enumerate(jobs))[first:]  # (position, job) of the lines this run writes
-    adapters = _adapters_named([job for _, job in todo])
+    remaining = jobs[first:]
+    adapters = _adapters_named(remaining)
     if adapters and llm.config.max_adapters:
-        _load_adapters(llm, [job for _, job in todo], adapters)
+        _load_adapters(llm, remaining, adapters)
     start, compiles_at_start = time.perf_counter(), XLA_COMPILES.mark()
     engine, job_of, outputs = llm.engine, {}, []
     output = OrderedOutput(args.output, first)
@@ -203,7 +204,7 @@ def _run_jobs(args: argparse.Namespace, llm, jobs: list[Job], first: int) -> dic
         output.close()
     wall = time.perf_counter() - start
     engine.persist_prefix_cache()  # with an L3 store, a later run reuses this run's prefix pages
-    return _summary(args, llm, [job for _, job in todo], outputs, wall, XLA_COMPILES.since(compiles_at_start), first)
+    return _summary(args, llm, remaining, outputs, wall, XLA_COMPILES.since(compiles_at_start), first)
 
 
 def _submit(llm, position: int, job: Job, job_of: dict[int, tuple[int, Job]]) -> None:
