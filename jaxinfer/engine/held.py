@@ -9,6 +9,7 @@ tools/fuzz_serving.py) read these counts from `Engine.metrics()` (`held_*`) and 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 HELD_PREFIX = "held_"
@@ -18,11 +19,21 @@ def held_resources(engine: Any) -> dict[str, int]:
     """The engine's holds as `held_<resource>` counts; a `Replicas` sums its engines' and counts each
     runner's slots once (engines may share a runner)."""
     engines = getattr(engine, "engines", None) or [engine]
+    holds = [_engine_holds(one) for one in engines] + [_runner_holds(r) for r in distinct_runners(engines)]
+    return {HELD_PREFIX + key: value for key, value in summed(holds).items()}
+
+
+def distinct_runners(engines: Iterable[Any]) -> list[Any]:
+    """The engines' runners, each once (engines may share one)."""
+    return list({id(one.runner): one.runner for one in engines}.values())
+
+
+def summed(counts: Iterable[dict[str, int]]) -> dict[str, int]:
+    """Each key's total over `counts`."""
     totals: dict[str, int] = {}
-    runners = {id(one.runner): one.runner for one in engines}
-    for holds in [_engine_holds(one) for one in engines] + [_runner_holds(r) for r in runners.values()]:
-        for key, value in holds.items():
-            totals[HELD_PREFIX + key] = totals.get(HELD_PREFIX + key, 0) + value
+    for count in counts:
+        for key, value in count.items():
+            totals[key] = totals.get(key, 0) + value
     return totals
 
 

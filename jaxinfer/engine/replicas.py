@@ -17,7 +17,7 @@ from dataclasses import fields
 from jaxinfer.engine.adapters import AdapterInfo, ReadAdapter
 from jaxinfer.engine.engine import Engine, run_to_completion
 from jaxinfer.engine.executor import tenant_of
-from jaxinfer.engine.held import held_resources
+from jaxinfer.engine.held import distinct_runners, held_resources, summed
 from jaxinfer.engine.metrics import EngineStats, snapshot
 from jaxinfer.engine.params import Request, RequestOutput, SamplingParams
 from jaxinfer.engine.sequence import Sequence
@@ -194,5 +194,5 @@ class ReplicaSet:
         return {**snapshot(self.stats, sum(len(s.running) for s in schedulers), sum(len(s.waiting) for s in schedulers),
                            sum(e.pool.num_free for e in self.engines), sum(e.pool.capacity for e in self.engines)),
                 **held_resources(self), "replicas": len(self.engines),
-                **{key: sum(engine.runner.device_bytes()[key] for engine in self.engines)
-                   for key in ("weight_bytes", "kv_pool_bytes")}}
+                **summed(runner.device_bytes() for runner in distinct_runners(self.engines))}
+

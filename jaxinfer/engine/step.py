@@ -131,6 +131,7 @@ class ModelRunner(PageCopies, GuideLoads):
         self._executables: dict[int, jax.stages.Compiled] = {}
         self.warmed_up = False
         self.compiles_after_warmup = 0
+        self._device_bytes: dict[str, int] | None = None
         self.warmup_seconds = 0.0
         self.spec = None  # a SpecRunner (engine/spec_step.py) when a draft model is attached
         self.lockstep: Leader | None = None  # multi-host: sends each step to the followers before dispatching it
@@ -229,9 +230,13 @@ class ModelRunner(PageCopies, GuideLoads):
 
     def device_bytes(self) -> dict[str, int]:
         """`weight_bytes`: the model's parameters as stored on the devices (packed projections at their
-        packed size); `kv_pool_bytes`: the KV page pools. Both from the arrays' global sizes."""
-        weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
-        return {"weight_bytes": weights, "kv_pool_bytes": sum(leaf.nbytes for leaf in jax.tree.leaves(self.caches))}
+        packed size); `kv_pool_bytes`: the KV page pools. Both from the arrays' global sizes, counted
+        once: neither changes after the runner is built (adapter slots are not parameters)."""
+        if self._device_bytes is None:
+            weights = sum(leaf.nbytes for leaf in jax.tree.leaves(nnx.state(self.model, nnx.Param)))
+            pools = sum(leaf.nbytes for leaf in jax.tree.leaves(self.caches))
+            self._device_bytes = {"weight_bytes": weights, "kv_pool_bytes": pools}
+        return self._device_bytes
 
     def _refresh_state(self) -> None:
         """The state the step reads: same tree and shapes, new adapter slot contents."""

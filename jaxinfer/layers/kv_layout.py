@@ -62,7 +62,7 @@ class KVLayout(Protocol):
         ...
 
 
-def _zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, mesh: Mesh | None) -> jax.Array:
+def pool_zeros(shape: tuple[int, ...], axes: tuple[str, ...], dtype: jnp.dtype, mesh: Mesh | None) -> jax.Array:
     if mesh is None:
         return jnp.zeros(shape, dtype)
     return _zeros_program(shape, jnp.dtype(dtype), named_sharding(shape, axes, mesh))()
@@ -82,7 +82,7 @@ class SplitPages:
 
     def empty(self, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> KVCache:
         shape = (self.kv_heads, num_pages, page_size, self.head_dim)
-        return KVCache(_zeros(shape, SPLIT_AXES, dtype, mesh), _zeros(shape, SPLIT_AXES, dtype, mesh))
+        return KVCache(pool_zeros(shape, SPLIT_AXES, dtype, mesh), pool_zeros(shape, SPLIT_AXES, dtype, mesh))
 
     def update(self, cache: KVCache, k: jax.Array, v: jax.Array, slots: jax.Array) -> KVCache:
         """Scatters new k, v [T, kv_heads, head_dim] to their slots (page * page_size + offset)."""
@@ -155,7 +155,7 @@ class CombinedPages:
         shape = (num_pages, page_size, self.combined_heads, self.padded_head_dim)
         # unsplit, the combined heads stay whole on every device (a split could part a key from its value)
         axes = COMBINED_AXES if self.shards > 1 else ("pages", "page_slot", None, "head_dim")
-        return _zeros(shape, axes, dtype, mesh)
+        return pool_zeros(shape, axes, dtype, mesh)
 
     def pad_heads(self, x: jax.Array) -> jax.Array:
         """[..., kv_heads, n, head_dim] -> [..., shards * padded_kv_heads, n, padded_head_dim], zeros in the

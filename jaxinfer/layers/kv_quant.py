@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxinfer.layers.kv_layout import SPLIT_AXES, _zeros
+from jaxinfer.layers.kv_layout import SPLIT_AXES, SplitPages, pool_zeros
 
 SCALE_BYTES = 4  # a float32 scale, carried as int8 bytes in a page's stored form
 
@@ -47,14 +47,13 @@ def dequantize_rows(values: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Int8SplitPages:
-    kv_heads: int
-    head_dim: int
+class Int8SplitPages(SplitPages):
+    """`SplitPages` in int8 with row scales: the same heads-first pools and head split over the model axis."""
 
     def empty(self, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> QuantizedKV:
         shape = (self.kv_heads, num_pages, page_size, self.head_dim)
-        values = [_zeros(shape, SPLIT_AXES, jnp.int8, mesh) for _ in range(2)]
-        scales = [_zeros(shape[:3], SPLIT_AXES[:3], jnp.float32, mesh) for _ in range(2)]
+        values = [pool_zeros(shape, SPLIT_AXES, jnp.int8, mesh) for _ in range(2)]
+        scales = [pool_zeros(shape[:3], SPLIT_AXES[:3], jnp.float32, mesh) for _ in range(2)]
         return QuantizedKV(*values, *scales)
 
     def update(self, cache: QuantizedKV, k: jax.Array, v: jax.Array, slots: jax.Array) -> QuantizedKV:
@@ -64,9 +63,6 @@ class Int8SplitPages:
         (kq, ks), (vq, vs) = quantize_rows(jnp.swapaxes(k, 0, 1)), quantize_rows(jnp.swapaxes(v, 0, 1))
         return QuantizedKV(cache.k.at[:, pages, offsets, :].set(kq), cache.v.at[:, pages, offsets, :].set(vq),
                            cache.k_scale.at[:, pages, offsets].set(ks), cache.v_scale.at[:, pages, offsets].set(vs))
-
-    def heads_spec(self, model_parallel: int) -> PartitionSpec | None:
-        return PartitionSpec("model") if self.kv_heads % model_parallel == 0 else None  # `spec_for`'s rule
 
     def export(self, cache: QuantizedKV, pages: jax.Array) -> jax.Array:
         rows = []

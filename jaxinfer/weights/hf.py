@@ -70,12 +70,13 @@ def iter_tensors(folder: Path, cfg: ModelConfig | None = None) -> Iterator[tuple
     """Every tensor of the folder in the engine's layout; `cfg` gives the experts to stack per layer."""
     experts = cfg.moe.num_experts if cfg is not None and cfg.moe is not None else 0
     stacks: dict[str, dict[int, np.ndarray]] = {}
-    for name, hf_name, array in _file_tensors(folder):
+    for hf_name, array in _file_tensors(folder):
         expert = _EXPERT.match(hf_name)
-        if expert is None:
-            yield name, hf_name, array
+        if expert is not None:
+            yield from _stacked_when_complete(stacks, expert, array, experts, folder)
             continue
-        yield from _stacked_when_complete(stacks, expert, array, experts, folder)
+        name = engine_name(hf_name)
+        yield name, hf_name, np.ascontiguousarray(array.T) if name.endswith(".kernel") else array
     if stacks:
         prefix, parts = next(iter(stacks.items()))
         missing = sorted(set(range(experts)) - set(parts))[:5]
@@ -97,7 +98,8 @@ def _stacked_when_complete(stacks: dict[str, dict[int, np.ndarray]], expert: re.
         yield key, f"{expert.group(1)}.*.{expert.group(3)}.weight", np.stack([parts[i] for i in range(experts)])
 
 
-def _file_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
+def _file_tensors(folder: Path) -> Iterator[tuple[str, np.ndarray]]:
+    """(checkpoint name, array as stored) of every tensor of every file."""
     for file in safetensors_files(folder):
         try:
             with safe_open(file, framework="numpy") as f:
@@ -106,10 +108,6 @@ def _file_tensors(folder: Path) -> Iterator[tuple[str, str, np.ndarray]]:
                     if dtype not in FLOAT_DTYPES:
                         raise CheckpointError(f"{file}: tensor {hf_name} has dtype {dtype}; this engine loads "
                                               f"float weights ({', '.join(FLOAT_DTYPES)}), not quantized ones")
-                    array = f.get_tensor(hf_name)
-                    name = engine_name(hf_name)
-                    if name.endswith(".kernel") and not _EXPERT.match(hf_name):  # experts: when stacked
-                        array = np.ascontiguousarray(array.T)
-                    yield name, hf_name, array
+                    yield hf_name, f.get_tensor(hf_name)
         except SafetensorError as exc:
             raise CheckpointError(f"{file}: unreadable or truncated safetensors file ({exc})") from None

@@ -34,7 +34,7 @@ from jaxinfer.weights import hf, orbax_io
 from jaxinfer.weights.gguf_file import GGUFCheckpoint
 from jaxinfer.weights.registry import ResolvedCheckpoint, resolve
 from jaxinfer.weights.shardings import param_sharding
-from jaxinfer.weights.weight_plan import WeightsChoice, formats_at_load, from_meta, packed_stream
+from jaxinfer.weights.weight_plan import WeightsChoice, from_meta, load_time_formats, packed_stream
 
 log = logging.getLogger(__name__)
 FROM_CHECKPOINT = WeightsChoice()  # weights_dtype auto: the checkpoint's own packing
@@ -136,8 +136,7 @@ def load_model(
         gguf_file = gguf_file or GGUFCheckpoint(checkpoint.path)
         cfg = gguf_file.config()
         packed = _formats(weights, cfg, lambda: gguf_file.packed_formats(cfg), mesh)
-        kept = set(packed) if weights.keeps_checkpoint_packing(_platform(mesh)) else set()
-        tensors: Iterable = gguf_file.iter_tensors(cfg, kept)
+        tensors: Iterable = gguf_file.iter_tensors(cfg, set() if weights.quantizes_at_load else set(packed))
         names: Callable[[str], str] = gguf_names.checkpoint_name
     elif checkpoint.kind == "hf":
         cfg = hf.read_config(checkpoint.path)
@@ -153,17 +152,13 @@ def load_model(
     return LoadedModel(cfg, fill(model, packed_stream(tensors, packed), mesh, source, names), checkpoint)
 
 
-def _platform(mesh: Mesh) -> str:
-    return mesh.devices.flat[0].platform
-
-
 def _formats(weights: WeightsChoice, cfg: ModelConfig, stored: Callable[[], dict[str, PackedFormat]], mesh: Mesh
              ) -> dict[str, PackedFormat]:
-    """The formats the model is built with: `stored()` gives what the checkpoint keeps packed (read,
-    and its quantizations checked, only where they would be kept)."""
-    projections = parameters(abstract_model(cfg, jnp.float32, None)) if weights.dtype in ("int8", "int4") else {}
-    kept = stored() if weights.keeps_checkpoint_packing(_platform(mesh)) else {}
-    return formats_at_load(weights, projections, kept, _platform(mesh))
+    """The formats the model is built with: quantized at load, or what the checkpoint keeps packed
+    (`stored()`, read and its quantizations checked only where they are kept on this platform)."""
+    if weights.quantizes_at_load:
+        return load_time_formats(weights, parameters(abstract_model(cfg, jnp.float32, None)))
+    return stored() if weights.keeps_checkpoint_packing(mesh.devices.flat[0].platform) else {}
 
 
 def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, backend: AttentionBackend | None,
@@ -173,7 +168,7 @@ def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, ba
     source = str(checkpoint.path)
     cfg = orbax_io.read_config(checkpoint.path)
     stored = from_meta(orbax_io.read_meta(checkpoint.path).get("packed"))
-    if (stored and weights.dtype not in ("auto", "packed")) or (not stored and weights.dtype in ("int8", "int4")):
+    if (stored and weights.dtype not in ("auto", "packed")) or (not stored and weights.quantizes_at_load):
         raise ConfigError(f"engine.weights_dtype = {weights.dtype!r}: {source} is stored "
                           f"{'packed' if stored else 'as floats'}; convert it with that setting "
                           "(tools/convert.py --weights-dtype), or use auto or packed")

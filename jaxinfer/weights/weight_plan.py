@@ -53,18 +53,18 @@ class WeightsChoice:
     def unpacked(self) -> bool:
         return self.dtype in ("float32", "bfloat16")
 
+    @property
+    def quantizes_at_load(self) -> bool:
+        return self.dtype in ("int8", "int4")
+
 
     def keeps_checkpoint_packing(self, platform: str) -> bool:
         """Whether the checkpoint's own packed projections stay packed on `platform`."""
         return self.dtype == "packed" or (self.dtype == "auto" and platform != "cpu")
 
 
-def formats_at_load(choice: WeightsChoice, projections: Iterable[str],
-                    checkpoint_formats: dict[str, PackedFormat], platform: str) -> dict[str, PackedFormat]:
-    """The packed format of each projection kernel (by parameter name) the model is built with on
-    `platform`; `checkpoint_formats`: what the checkpoint itself keeps packed (GGUF blocks)."""
-    if choice.unpacked or choice.dtype in ("auto", "packed"):
-        return dict(checkpoint_formats) if choice.keeps_checkpoint_packing(platform) else {}
+def load_time_formats(choice: WeightsChoice, projections: Iterable[str]) -> dict[str, PackedFormat]:
+    """`int8` / `int4`: the format each projection kernel (by parameter name) is quantized into."""
     fmt = load_format(8 if choice.dtype == "int8" else 4, choice.group)
     return {name: fmt for name in projections if PROJECTION.match(name)}
 
