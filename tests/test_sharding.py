@@ -42,6 +42,19 @@ for data, model_axis in [(1, 8), (2, 4)]:
     report[f"{data}x{model_axis}"] = dict(max_diff=float(np.abs(logits - ref_logits).max()),
                                          same_tokens=tokens == ref_tokens, q_spec=str(q_spec))
 
+# int4 weights (projections, embedding, head): the same numbers on 8 devices; groups of 32 rows of
+# down_proj's 128 input rows (4 groups) cannot split 8 ways, so those rows stay whole
+from jaxinfer.weights.weight_plan import WeightsChoice, load_time_formats
+formats = load_time_formats(WeightsChoice("int4", 32), parameters(abstract_model(cfg, jnp.float32, None)))
+packed_base = random_model(cfg, one, jnp.float32, seed=4, packed=formats)
+packed_tensors = [(n, n, np.asarray(p.get_value())) for n, p in parameters(packed_base).items()]
+packed_ref, _ = logits_and_greedy(packed_base)
+sharded_packed = fill(abstract_model(cfg, jnp.float32, None, packed=formats), packed_tensors, make_mesh(1, 8), "copy")
+specs = {n: str(p.get_value().sharding.spec) for n, p in parameters(sharded_packed).items()}
+report["int4"] = dict(max_diff=float(np.abs(logits_and_greedy(sharded_packed)[0] - packed_ref).max()),
+                      embed=specs["model.embed_tokens.weight_q"], head=specs["lm_head.kernel_q"],
+                      down=specs["model.layers.0.mlp.down_proj.kernel_q"], formats=len(formats))
+
 engine = dict(token_buckets=(8,), max_seqs=8, num_pages=128, compile_guard="raise")
 chats = [[{"role": "user", "content": c}] for c in ("Name a color.", "What is 7 times 8?", "Say hello.")]
 greedy = SamplingParams(max_tokens=12, temperature=0.0)
@@ -67,5 +80,8 @@ def test_sharded_equals_single_device(tmp_path):
         assert report[mesh]["max_diff"] < 1e-4, report
         assert report[mesh]["same_tokens"], report
         assert "model" in report[mesh]["q_spec"], report  # heads really are split across devices
+    assert report["int4"]["formats"] == 2 * 7 + 2 and report["int4"]["max_diff"] < 1e-4, report
+    assert report["int4"]["embed"].startswith("P('model'"), report  # vocab rows split
+    assert "'model'" in report["int4"]["head"] and "'model'" not in report["int4"]["down"], report
     assert report["smollm2"]["same_tokens"], report
     assert "model" in report["smollm2"]["up_spec"], report

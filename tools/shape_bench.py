@@ -99,9 +99,9 @@ def model_bytes_and_flops(llm) -> tuple[int, int]:
         if "embed_tokens" in name and not llm.model_config.tie_word_embeddings:
             continue
         weight_bytes += array.nbytes
-        if name.endswith("kernel_q"):  # a packed projection: 4-bit values are two to a byte
+        if name.endswith(("kernel_q", "weight_q")):  # a packed weight: 4-bit values are two to a byte
             matmul_params += array.size * (2 if array.dtype == np.uint8 else 1)
-        elif (array.ndim == 2 and name.endswith("kernel")) or "embed_tokens" in name:
+        elif (array.ndim == 2 and name.endswith("kernel")) or name.endswith("embed_tokens.weight"):
             matmul_params += array.size
     return weight_bytes, 2 * matmul_params
 

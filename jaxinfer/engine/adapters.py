@@ -131,9 +131,9 @@ class AdapterSlots:
                 raise CheckpointError(f"{path}: trainable_token_indices {outside} are not tokens added to this "
                                       f"model (added: {added}; the processor's control tokens are added with "
                                       f"engine.exec_slots > 0, and adapters may train them with tied embeddings)")
-            if weights.token_rows.shape[1] != embed.weight[...].shape[1]:
+            if weights.token_rows.shape[1] != embed.dim:
                 raise CheckpointError(f"{path}: trainable token rows have width {weights.token_rows.shape[1]}, "
-                                      f"the embedding {embed.weight[...].shape[1]}")
+                                      f"the embedding {embed.dim}")
 
     def _write(self, slot: int, weights: AdapterWeights | None) -> None:
         """Puts `weights` into `slot` of the stacks it targets (a free slot is all zeros), or with None
@@ -165,7 +165,8 @@ def _set_token_rows(embed: nnx.Module, slot: int, weights: AdapterWeights | None
         trained[token - embed.added_start], rows[token - embed.added_start] = True, row
     replicated = NamedSharding(added.sharding.mesh, PartitionSpec())
     sent = to_devices((np.int32(slot), trained, rows), replicated)
-    embed.added_rows.set_value(_with_token_rows(added, embed.weight[...], *sent, embed.added_start, added.sharding))
+    base = embed.rows(embed.added_start, embed.vocab)
+    embed.added_rows.set_value(_with_token_rows(added, base, *sent, added.sharding))
 
 
 ReadAdapter = tuple[Path, AdapterWeights]
@@ -190,12 +191,11 @@ def _with_slot(array: jax.Array, slot: jax.Array, value: jax.Array, axis: int, s
     return jax.lax.with_sharding_constraint(jax.lax.dynamic_update_index_in_dim(array, value, slot, axis), sharding)
 
 
-@functools.partial(jax.jit, static_argnames=("start", "sharding"))
-def _with_token_rows(added: jax.Array, table: jax.Array, slot: jax.Array, trained: jax.Array, rows: jax.Array,
-                     start: int, sharding: NamedSharding) -> jax.Array:
-    """`added` with slot `slot` set to `rows` where `trained`, else to the table's rows from `start` on."""
-    base = jax.lax.slice_in_dim(table, start, table.shape[0]).astype(added.dtype)
-    return _with_slot(added, slot, jnp.where(trained[:, None], rows, base), 0, sharding)
+@functools.partial(jax.jit, static_argnames=("sharding",))
+def _with_token_rows(added: jax.Array, base: jax.Array, slot: jax.Array, trained: jax.Array, rows: jax.Array,
+                     sharding: NamedSharding) -> jax.Array:
+    """`added` with slot `slot` set to `rows` where `trained`, else to the table's rows `base`."""
+    return _with_slot(added, slot, jnp.where(trained[:, None], rows, base.astype(added.dtype)), 0, sharding)
 
 
 def parse_adapter_spec(spec: str) -> tuple[str, str]:

@@ -1,13 +1,32 @@
-"""Linear, embedding and RMSNorm modules whose parameters carry logical axis names."""
+"""Linear, embedding and RMSNorm modules whose parameters carry logical axis names; a Linear's kernel
+and an embedding table may be kept packed (layers/quant.py)."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxinfer.layers.lora import LoraParam, ZerosFn, added_rows_logits, added_rows_lookup, lora_delta
-from jaxinfer.layers.quant import PackedFormat, dequantize
+from jaxinfer.layers.quant import PackedFormat, dequantize, dequantize_rows, stored_dtype
+
+
+def add_packed_params(module: nnx.Module, name: str, fmt: PackedFormat, shape: tuple[int, int],
+                      axes: tuple[str, str], rows_first: bool = False) -> None:
+    """Zeroed stored arrays `{name}_q`, `{name}_scale` (and `{name}_offset`) of a [in, out] weight in
+    `fmt`, transposed where `rows_first` (an embedding table's [vocab, embed])."""
+    fan_in, fan_out = shape[::-1] if rows_first else shape
+    for suffix, stored in fmt.stored_shapes(fan_in, fan_out).items():
+        stored = stored[::-1] if rows_first else stored
+        setattr(module, f"{name}_{suffix}", nnx.Param(jnp.zeros(stored, stored_dtype(fmt, suffix)), logical_axes=axes))
+
+
+def packed_arrays(module: nnx.Module, name: str, fmt: PackedFormat) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """The stored (q, scale, offset) of the packed weight `name`."""
+    offset = getattr(module, f"{name}_offset")[...] if fmt.offset else None
+    return getattr(module, f"{name}_q")[...], getattr(module, f"{name}_scale")[...], offset
 
 
 def initial_weights(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
@@ -39,9 +58,7 @@ class Linear(nnx.Module):
         if packed is None:
             self.kernel = nnx.Param(initial_weights(rngs, self.shape, dtype), logical_axes=axes)
         else:
-            for suffix, shape in packed.stored_shapes(in_features, out_features).items():
-                stored = {"q": jnp.int8 if packed.bits == 8 else jnp.uint8}.get(suffix, packed.scale_dtype)
-                setattr(self, f"kernel_{suffix}", nnx.Param(jnp.zeros(shape, stored), logical_axes=axes))
+            add_packed_params(self, "kernel", packed, self.shape, axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],)) if bias else None
         self.axes = axes
         self.lora_a: LoraParam | None = nnx.data(None)
@@ -59,8 +76,7 @@ class Linear(nnx.Module):
         """The kernel [in, out] in `dtype` (a packed one dequantized as part of the caller's computation)."""
         if self.packed is None:
             return self.kernel[...]
-        offset = self.kernel_offset[...] if self.packed.offset else None
-        return dequantize(self.kernel_q[...], self.kernel_scale[...], offset, self.packed, dtype)
+        return dequantize(*packed_arrays(self, "kernel", self.packed), self.packed, dtype)
 
     def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:
         y = jnp.dot(x, self.weight(x.dtype), preferred_element_type=jnp.float32)
@@ -72,30 +88,74 @@ class Linear(nnx.Module):
         return y
 
 
+@functools.partial(jax.jit, static_argnames=("start", "stop", "fmt", "dtype"))
+def _packed_rows(arrays: tuple[jax.Array, jax.Array, jax.Array | None], start: int, stop: int, fmt: PackedFormat,
+                 dtype: jnp.dtype) -> jax.Array:
+    cut = [None if a is None else jax.lax.slice_in_dim(a, start, stop) for a in arrays]
+    return dequantize_rows(*cut, fmt, dtype)
+
+
 class Embed(nnx.Module):
     """Token embedding table [vocab, embed]; `attend` reuses it as a tied output projection.
 
-    With `add_token_slots`, the rows of ids >= `added_start` come from each token's adapter slot."""
+    With `packed`, the table is kept rows-first in that format (`weight_q`, `weight_scale`,
+    `weight_offset`; layers/quant.py): a lookup dequantizes only the rows it reads, and `attend` the
+    table inside its matmul. With `add_token_slots`, the rows of ids >= `added_start` come from each
+    token's adapter slot."""
 
-    def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None):
-        self.weight = nnx.Param(initial_weights(rngs, (vocab, dim), dtype), logical_axes=("vocab", "embed"))
+    def __init__(self, vocab: int, dim: int, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs | None = None,
+                 packed: PackedFormat | None = None):
+        self.dim, self.dtype, self.packed = dim, dtype, packed
+        if packed is None:
+            self.weight = nnx.Param(initial_weights(rngs, (vocab, dim), dtype), logical_axes=("vocab", "embed"))
+        else:
+            add_packed_params(self, "weight", packed, (vocab, dim), ("vocab", "embed"), rows_first=True)
         self.added_rows: LoraParam | None = nnx.data(None)
         self.added_start = vocab
 
+    @property
+    def vocab(self) -> int:
+        """Rows in the table now (it grows with `CausalLM.extend_vocabulary`)."""
+        return (self.weight if self.packed is None else self.weight_q).shape[0]
+
+    def table(self) -> jax.Array:
+        """The whole table [vocab, embed] in the model's dtype (a packed one dequantized)."""
+        if self.packed is None:
+            return self.weight[...]
+        return dequantize_rows(*packed_arrays(self, "weight", self.packed), self.packed, self.dtype)
+
+    def lookup(self, ids: jax.Array) -> jax.Array:
+        """The table's rows of `ids` [T] -> [T, embed]."""
+        if self.packed is None:
+            return jnp.take(self.weight[...], ids, axis=0)
+        rows = [None if a is None else jnp.take(a, ids, axis=0) for a in packed_arrays(self, "weight", self.packed)]
+        return dequantize_rows(*rows, self.packed, self.dtype)
+
+    def rows(self, start: int, stop: int) -> jax.Array:
+        """The table's rows start .. stop - 1 (static bounds: nothing is sent to the devices)."""
+        if self.packed is None:
+            return jax.lax.slice_in_dim(self.weight[...], start, stop)
+        return _packed_rows(packed_arrays(self, "weight", self.packed), start, stop, self.packed, self.dtype)
+
     def add_token_slots(self, slots: int, start: int, zeros: ZerosFn) -> None:
         """Per-slot rows [slots, n, embed] for ids start .. vocab - 1, each a copy of the table's rows."""
-        base = jax.lax.slice_in_dim(self.weight[...], start, self.weight.shape[0])  # static bounds: nothing sent
+        base = self.rows(start, self.vocab)
         axes = ("lora_slots", None, "embed")
         self.added_rows = LoraParam(zeros((slots, *base.shape), axes) + base[None], logical_axes=axes)
         self.added_start = start
 
     def __call__(self, ids: jax.Array, slots: jax.Array | None = None) -> jax.Array:
+        base = self.lookup(ids)
         if slots is not None and self.added_rows is not None:
-            return added_rows_lookup(self.weight[...], self.added_rows[...], self.added_start, ids, slots)
-        return jnp.take(self.weight[...], ids, axis=0)
+            return added_rows_lookup(base, self.added_rows[...], self.added_start, ids, slots)
+        return base
 
     def attend(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
-        logits = jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+        if self.packed is None:
+            logits = jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+        else:  # the transposed arrays are the [embed, vocab] kernel of a packed Linear
+            q, scale, offset = (None if a is None else a.T for a in packed_arrays(self, "weight", self.packed))
+            logits = jnp.dot(x, dequantize(q, scale, offset, self.packed, x.dtype), preferred_element_type=jnp.float32)
         if slots is not None and self.added_rows is not None:
             logits = added_rows_logits(logits, x, self.added_rows[...], self.added_start, slots)
         return logits

@@ -48,10 +48,9 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, one_hot: jax.Array) -> 
     return jnp.dot(down.astype(b.dtype), b.reshape(slots * rank, -1), preferred_element_type=jnp.float32)
 
 
-def added_rows_lookup(table: jax.Array, rows: jax.Array, start: int, ids: jax.Array, slots: jax.Array) -> jax.Array:
-    """Embeddings of ``ids`` from ``table``; ids >= start of tokens with an adapter (slot > 0) are read
-    from their slot's rows [S, n, E] (slot 0 keeps the base table's rows)."""
-    base = jnp.take(table, ids, axis=0)
+def added_rows_lookup(base: jax.Array, rows: jax.Array, start: int, ids: jax.Array, slots: jax.Array) -> jax.Array:
+    """Embeddings of ``ids`` given the base table's rows ``base`` [T, E]: ids >= start of tokens with an
+    adapter (slot > 0) are read from their slot's rows [S, n, E] instead (slot 0 keeps the base's)."""
     added = rows[slots, jnp.clip(ids - start, 0, rows.shape[1] - 1)]
     return jnp.where(((ids >= start) & (slots > 0))[:, None], added.astype(base.dtype), base)
 

@@ -10,6 +10,9 @@ A packed kernel of shape [in, out] is stored in groups of `group` consecutive in
   are float16, else float32);
 - `offset` (formats that have one): added per group, [in / group, out].
 
+An embedding table [vocab, embed] is kept rows-first: the same arrays transposed ([vocab, embed / 2]
+values, [vocab, embed / group] scales), so a token's row is one contiguous read (`dequantize_rows`).
+
 A value is `scale * (q - zero)` or `scale * q + offset`, computed in float32 in the order llama.cpp
 (and the `gguf` package) uses, so the dequantized weight equals the `gguf` package's bit for bit.
 """
@@ -88,3 +91,17 @@ def dequantize(q: jax.Array, scale: jax.Array, offset: jax.Array | None, fmt: Pa
     if offset is not None:
         weights = weights + offset.astype(jnp.float32)[:, None, :]
     return weights.reshape(fan_in, fan_out).astype(dtype)
+
+
+def dequantize_rows(q: jax.Array, scale: jax.Array, offset: jax.Array | None, fmt: PackedFormat,
+                    dtype: jnp.dtype) -> jax.Array:
+    """Rows-first packed rows ([rows, values / 2] or [rows, values], groups along each row: an
+    embedding table's) as [rows, values] in `dtype`."""
+    return dequantize(q.T, scale.T, None if offset is None else offset.T, fmt, dtype).T
+
+
+def stored_dtype(fmt: PackedFormat, suffix: str) -> jnp.dtype:
+    """The dtype of a packed kernel's stored array `suffix` (`q`, `scale` or `offset`)."""
+    if suffix == "q":
+        return jnp.int8 if fmt.bits == 8 else jnp.uint8
+    return jnp.dtype(fmt.scale_dtype)

@@ -29,6 +29,8 @@ from jaxinfer.models.experts import ONE_DEVICE, ExpertPlacement
 from jaxinfer.models.layer_kinds import FULL_ATTENTION, LayerSpec
 from jaxinfer.parallel.mesh import named_sharding
 
+EMBEDDING, OUTPUT_HEAD = "model.embed_tokens.weight", "lm_head.kernel"  # parameter names packed formats key on
+
 
 def _pad_param(param: nnx.Param, pad: tuple[tuple[int, int], ...]) -> None:
     """Pads a parameter with zeros, resharded for its new shape (the mesh axis may no longer divide it)."""
@@ -45,7 +47,8 @@ class DecoderStack(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, specs: tuple[LayerSpec, ...], backend: AttentionBackend, dtype: jnp.dtype,
                  rngs: nnx.Rngs | None, placement: ExpertPlacement, packed: dict[str, PackedFormat]):
-        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs,
+                                  packed=packed.get(EMBEDDING))
         self.layers = nnx.List([DecoderLayer(cfg, spec, backend, dtype, rngs, placement, _layer_formats(packed, i))
                                 for i, spec in enumerate(specs)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
@@ -90,7 +93,8 @@ class CausalLM(nnx.Module):
         self.lm_head = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs)
+            else Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), dtype=dtype, rngs=rngs,
+                        packed=dict(self.packed_formats).get(OUTPUT_HEAD))
         )
 
     def __call__(
@@ -144,9 +148,14 @@ class CausalLM(nnx.Module):
         grow = size - self.config.vocab_size
         if grow <= 0:
             return
-        _pad_param(self.model.embed_tokens.weight, ((0, grow), (0, 0)))
+        embed = self.model.embed_tokens
+        for name in ("weight",) if embed.packed is None else ("weight_q", "weight_scale", "weight_offset"):
+            if hasattr(embed, name):  # packed rows of zero scale and offset are zero rows
+                _pad_param(getattr(embed, name), ((0, grow), (0, 0)))
         if self.lm_head is not None:
-            _pad_param(self.lm_head.kernel, ((0, 0), (0, grow)))
+            for name in ("kernel",) if self.lm_head.packed is None else ("kernel_q", "kernel_scale", "kernel_offset"):
+                if hasattr(self.lm_head, name):
+                    _pad_param(getattr(self.lm_head, name), ((0, 0), (0, grow)))
         self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def adaptable_linears(self, targets: tuple[str, ...]) -> dict[str, Linear]:
@@ -173,4 +182,4 @@ class CausalLM(nnx.Module):
         """float32 logits [..., vocab] for the given hidden rows (with their adapter slots)."""
         if self.lm_head is None:
             return self.model.embed_tokens.attend(hidden, adapters)
-        return jnp.dot(hidden, self.lm_head.kernel[...], preferred_element_type=jnp.float32)
+        return jnp.dot(hidden, self.lm_head.weight(hidden.dtype), preferred_element_type=jnp.float32)

@@ -26,7 +26,7 @@ from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.models import model_class
 from jaxinfer.moe_config import MoEConfig
 from jaxinfer.weights.packing import FLOAT_TYPES, GGUF_FORMATS, PackedFormat, PackedTensor, repack_gguf
-from jaxinfer.weights.weight_plan import PROJECTION
+from jaxinfer.weights.weight_plan import packable
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -256,7 +256,7 @@ class GGUFCheckpoint:
         formats = {}
         for tensor in self.reader.tensors:
             name = engine_name(tensor.name)
-            if name is None or not PROJECTION.match(name) or tensor.tensor_type in FLOAT_TYPES:
+            if name is None or not packable(name) or tensor.tensor_type in FLOAT_TYPES:
                 continue
             fmt = GGUF_FORMATS.get(tensor.tensor_type)
             if fmt is None:

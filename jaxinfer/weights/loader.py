@@ -172,12 +172,15 @@ def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, ba
         raise ConfigError(f"engine.weights_dtype = {weights.dtype!r}: {source} is stored "
                           f"{'packed' if stored else 'as floats'}; convert it with that setting "
                           "(tools/convert.py --weights-dtype), or use auto or packed")
-    model = abstract_model(cfg, dtype, backend, mesh, stored)
     shared = orbax_io.from_target(checkpoint.path)
     if shared and target is None:
         raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
                               "it as engine.draft_model of that target")
+    if shared:  # a shared weight the target keeps packed is shared packed
+        stored = {**stored, **{name: fmt for name, fmt in target.packed_formats if name in shared}}
+    model = abstract_model(cfg, dtype, backend, mesh, stored)
     params = parameters(model)
+    shared = [name for name in params if name in shared or name.rpartition("_")[0] in stored.keys() & set(shared)]
     kept = {name: param for name, param in params.items() if name not in shared}
     tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, kept, mesh),
                               _target_tensors(shared, target, params, source))
@@ -250,9 +253,9 @@ def random_model(
             sharding = named_sharding(shape, param.logical_axes, mesh)
             if name.endswith("norm.weight"):
                 yield name, name, _ones(shape, dtype, sharding)
-            elif name.endswith("kernel_q"):
+            elif name.endswith(("kernel_q", "weight_q")):
                 yield name, name, _bits(jax.random.fold_in(key, i), shape, stored, sharding)
-            elif name.endswith(("kernel_scale", "kernel_offset")):
+            elif name.endswith(("_scale", "_offset")):
                 yield name, name, _full(shape, stored, sharding, 0.005 if name.endswith("scale") else -0.04)
             else:
                 yield name, name, _normal(jax.random.fold_in(key, i), shape, dtype, sharding)

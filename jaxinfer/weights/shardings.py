@@ -14,10 +14,14 @@ def param_sharding(name: str, param: nnx.Param, params: dict[str, nnx.Param], me
     """The parameter's sharding from its logical axes; a packed kernel's values split their input rows
     over a mesh axis only where its groups' scales split too (the axis divides the group count), so a
     group never straddles two devices. Otherwise that dimension stays replicated, as any other that
-    the axis does not divide."""
+    the axis does not divide. A rows-first embedding (`weight_q`) has its groups along its second
+    dimension."""
     sharding = named_sharding(tuple(param.get_value().shape), param.logical_axes, mesh)
-    if not name.endswith(".kernel_q"):
+    if not name.endswith((".kernel_q", ".weight_q")):
         return sharding
     scale = params[name.removesuffix("_q") + "_scale"]
-    rows = named_sharding(tuple(scale.get_value().shape), scale.logical_axes, mesh).spec[0]
-    return NamedSharding(mesh, PartitionSpec(rows, *sharding.spec[1:]))
+    grouped = named_sharding(tuple(scale.get_value().shape), scale.logical_axes, mesh).spec
+    spec = list(sharding.spec) + [None] * (2 - len(sharding.spec))
+    axis = 1 if name.endswith(".weight_q") else 0
+    spec[axis] = grouped[axis] if len(grouped) > axis else None
+    return NamedSharding(mesh, PartitionSpec(*spec))

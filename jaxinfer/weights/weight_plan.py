@@ -13,7 +13,9 @@
 - `float32` / `bfloat16`: every weight is dequantized at load into the engine's dtype (what the
   engine did before packed weights).
 
-The embedding, the output head, norms, routers and experts stay float in every mode.
+The packed weights are the layers' projections, the embedding table and an untied output head
+(`PACKABLE`); norms, biases, routers and experts stay float in every mode. An embedding is kept
+rows-first (layers/quant.py), so its arrays are the transpose of a kernel's.
 """
 
 from __future__ import annotations
@@ -28,11 +30,17 @@ import numpy as np
 
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.quant import PackedFormat, load_format
+from jaxinfer.models.decoder import EMBEDDING, OUTPUT_HEAD
 from jaxinfer.weights.packing import PackedTensor, quantize_kernel
 
 WEIGHTS_DTYPES = ("auto", "packed", "int8", "int4", "float32", "bfloat16")
 WEIGHTS_GROUPS = (16, 32, 64, 128, 256)
 PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.kernel$")
+
+
+def packable(name: str) -> bool:
+    """Whether the parameter `name` may be kept packed: a projection, the embedding or the output head."""
+    return bool(PROJECTION.match(name)) or name in (EMBEDDING, OUTPUT_HEAD)
 
 
 @dataclass(frozen=True)
@@ -64,27 +72,29 @@ class WeightsChoice:
 
 
 def load_time_formats(choice: WeightsChoice, projections: Iterable[str]) -> dict[str, PackedFormat]:
-    """`int8` / `int4`: the format each projection kernel (by parameter name) is quantized into."""
+    """`int8` / `int4`: the format each packable weight (by parameter name) is quantized into."""
     fmt = load_format(8 if choice.dtype == "int8" else 4, choice.group)
-    return {name: fmt for name in projections if PROJECTION.match(name)}
+    return {name: fmt for name in projections if packable(name)}
 
 
 def packed_stream(tensors: Iterable[tuple[str, str, Any]], formats: dict[str, PackedFormat]
                   ) -> Iterator[tuple[str, str, Any]]:
-    """A checkpoint's tensors with each packed kernel split into its stored arrays (`kernel_q`,
-    `kernel_scale`, `kernel_offset`), quantizing a float one into its format on the way."""
+    """A checkpoint's tensors with each packed weight split into its stored arrays (`kernel_q`,
+    `kernel_scale`, `kernel_offset`; an embedding's `weight_*`, rows-first), quantizing a float one
+    into its format on the way."""
     for name, tensor_name, array in tensors:
         fmt = formats.get(name)
         if fmt is None:
             yield name, tensor_name, array
             continue
+        rows_first = name == EMBEDDING
         if not isinstance(array, PackedTensor):
-            array = quantize_kernel(np.asarray(array, np.float32), fmt, tensor_name)
+            kernel = np.asarray(array, np.float32)
+            array = quantize_kernel(kernel.T if rows_first else kernel, fmt, tensor_name)
         elif array.fmt != fmt:
             raise ConfigError(f"{tensor_name}: packed as {array.fmt.name}, the model was built for {fmt.name}")
-        base = name.removesuffix("kernel")
         for suffix, stored in array.arrays.items():
-            yield f"{base}kernel_{suffix}", tensor_name, stored
+            yield f"{name}_{suffix}", tensor_name, np.ascontiguousarray(stored.T) if rows_first else stored
 
 
 def to_meta(formats: dict[str, PackedFormat]) -> dict[str, dict[str, Any]]:
