@@ -17,6 +17,7 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.layers.attention import AttentionMetadata, ReferenceAttention
 from jaxinfer.layers.backends import backend_name, make_backend
 from jaxinfer.layers.kv_layout import KVCache
+from jaxinfer.layers.kv_quant import FP8, FP8_MAX, QuantizedKV, quantize_rows
 from jaxinfer.layers.pallas_attention import PallasGpuAttention, max_query_tiles, query_tiles
 
 
@@ -171,3 +172,48 @@ def test_bfloat16_caches_stay_within_bfloat16_rounding(case: str) -> None:
     got = PallasGpuAttention(interpret=True).attend(q.astype(jnp.bfloat16), low, meta, 0.2)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), expected, atol=0.01 * np.abs(expected).max())
+
+
+def quantized_pools(k_cache: jax.Array, v_cache: jax.Array, kv_dtype: str) -> QuantizedKV:
+    """The float pools quantized as the engine stores them: int8 rows with their scales, or fp8 pages
+    with one scale per page and head."""
+    if kv_dtype == "int8":
+        (kq, ks), (vq, vs) = quantize_rows(k_cache), quantize_rows(v_cache)
+        return QuantizedKV(kq, vq, ks, vs)
+    pools = []
+    for pool in (k_cache, v_cache):
+        page_scale = jnp.max(jnp.abs(pool), axis=(2, 3)) / FP8_MAX
+        pools.append((jnp.clip(pool / jnp.where(page_scale > 0, page_scale, 1)[..., None, None], -FP8_MAX, FP8_MAX)
+                      .astype(FP8), page_scale))
+    return QuantizedKV(pools[0][0], pools[1][0], pools[0][1], pools[1][1])
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+@pytest.mark.parametrize(("case", "group"), [("mixed", 4), ("many_pages", 1), ("prefill_only", 8)])
+def test_kernel_reads_quantized_pages_as_the_reference_backend_does(case: str, group: int, kv_dtype: str) -> None:
+    """The same int8 / fp8 pools read by both backends: the kernel widens the stored values and applies
+    the scales to the scores and weights, the reference dequantizes whole blocks; float32 rounding apart,
+    the same numbers."""
+    q, k_cache, v_cache, meta = ragged_batch(CASES[case], kv_heads=2, group=group, page_size=16, table_width=16)
+    cache = quantized_pools(k_cache, v_cache, kv_dtype)
+    expected = ReferenceAttention(block_tokens=64, query_tile=4, kv_dtype=kv_dtype).attend(q, cache, meta, 0.2)
+    got = PallasGpuAttention(block_tokens=64, interpret=True, kv_dtype=kv_dtype).attend(q, cache, meta, 0.2)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=2e-5, rtol=2e-5)
+    unscaled = cache._replace(k_scale=jnp.ones_like(cache.k_scale))  # a kernel that dropped the scales
+    wrong = PallasGpuAttention(block_tokens=64, interpret=True, kv_dtype=kv_dtype).attend(q, unscaled, meta, 0.2)
+    assert float(jnp.max(jnp.abs(wrong - expected))) > 0.1
+    assert PallasGpuAttention(kv_dtype=kv_dtype).layout_for(2, HEAD_DIM, jnp.float32).stored_page(jnp.float32)[1] \
+        == HEAD_DIM + 4
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_kernel_on_quantized_pages_lowers_to_triton_for_cuda_on_this_cpu(kv_dtype: str) -> None:
+    from jax import export
+
+    q, k_cache, v_cache, meta = ragged_batch(CASES["mixed"], kv_heads=2, group=4, page_size=16, table_width=16)
+    cache = quantized_pools(k_cache, v_cache, kv_dtype)
+    attend = jax.jit(lambda q, cache, meta: PallasGpuAttention(kv_dtype=kv_dtype).attend(q, cache, meta, 0.125))
+    exported = export.export(attend, platforms=["cuda"],
+                             disabled_checks=[export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+        q.astype(jnp.bfloat16), cache, meta)
+    assert 'name = "jaxinfer_paged_attention"' in exported.mlir_module()

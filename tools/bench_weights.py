@@ -3,7 +3,7 @@ beside transformers' float32 perplexity on the same text.
 
     python tools/bench.py weights --formats float32 packed int8 int4   # packed: its Q4_1 blocks
     python tools/bench.py --no-peer weights --formats packed float32 --batch 1 32
-    python tools/bench.py --no-peer weights --formats float32 --kv-dtype int8     # int8 KV pages
+    python tools/bench.py --no-peer weights --formats float32 --kv-dtype int8     # int8 KV pages (or fp8)
 
 Each format is a fresh engine (`engine.weights_dtype`) on the same engine config:
 - `weight_bytes` and `kv_pool_bytes` are the engine's metrics, summed from the device arrays; the
@@ -23,7 +23,7 @@ from bench_common import emit, exact, fresh_engine, random_prompts, timed_genera
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "tests" / "data" / "text" / "perplexity.txt"
-FORMATS = ("float32", "packed", "int8", "int4", "auto")
+FORMATS = ("float32", "packed", "int8", "int4", "bfloat16", "auto")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--in-len", type=int, default=64)
     parser.add_argument("--out-len", type=int, default=32)
-    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8"], help="engine.kv_dtype for every run")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "int8", "fp8"],
+                        help="engine.kv_dtype for every run")
 
 
 def perplexity(llm, ids: list[int]) -> float:
@@ -62,7 +63,8 @@ def bench(args: argparse.Namespace) -> None:
 
     ids = None
     for fmt in args.formats:
-        llm = LLM(args.model, args.config, weights_dtype=fmt, weights_group=args.group, kv_dtype=args.kv_dtype)
+        dtype = {"dtype": "bfloat16"} if fmt == "bfloat16" else {}  # the engine's dtype is the float weights'
+        llm = LLM(args.model, args.config, weights_dtype=fmt, weights_group=args.group, kv_dtype=args.kv_dtype, **dtype)
         ids = ids or llm.tokenizer.encode_prompt(TEXT.read_text())
         metrics = llm.engine.metrics()
         pool_tokens = llm.config.num_pages * llm.config.page_size

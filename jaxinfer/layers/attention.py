@@ -31,7 +31,7 @@ from jax import lax
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from jaxinfer.layers.kv_layout import KVCache, KVLayout, SplitPages
-from jaxinfer.layers.kv_quant import Int8SplitPages, QuantizedKV, dequantize_rows
+from jaxinfer.layers.kv_quant import Fp8SplitPages, Int8SplitPages, QuantizedKV, dequantize_block
 from jaxinfer.parallel.mesh import MESH_AXES
 
 NEG_INF = -1e30
@@ -88,23 +88,25 @@ def on_each_model_device(local_attend: Callable[..., jax.Array], q: jax.Array, c
 
 
 class SplitLayout:
-    """For backends that read separate K and V pools, heads first (`kv_layout.SplitPages`)."""
+    """For backends that read separate K and V pools, heads first (`kv_layout.SplitPages`), in the
+    backend's `kv_dtype` (`layers/kv_quant.py` for int8 and fp8)."""
+
+    kv_dtype: str = "auto"
 
     def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> SplitPages:
-        return SplitPages(kv_heads, head_dim)
+        layout = {"int8": Int8SplitPages, "fp8": Fp8SplitPages}.get(self.kv_dtype, SplitPages)
+        return layout(kv_heads, head_dim)
 
 
 @dataclasses.dataclass(frozen=True)
 class ReferenceAttention(SplitLayout):
     """Gather-based paged attention in plain JAX; exact (float32 softmax) and backend-neutral. With
-    `kv_dtype = "int8"` its pages are int8 (`layers/kv_quant.py`), dequantized a block at a time."""
+    `kv_dtype = "int8" | "fp8"` its pages are quantized (`layers/kv_quant.py`), dequantized a block at
+    a time."""
 
     block_tokens: int = 128
     query_tile: int = 16
     kv_dtype: str = "auto"
-
-    def layout_for(self, kv_heads: int, head_dim: int, dtype: jnp.dtype) -> SplitPages | Int8SplitPages:
-        return Int8SplitPages(kv_heads, head_dim) if self.kv_dtype == "int8" else SplitPages(kv_heads, head_dim)
 
     def attend(self, q: jax.Array, cache: KVCache | QuantizedKV, meta: AttentionMetadata, scale: float,
                layout: KVLayout | None = None) -> jax.Array:
@@ -143,7 +145,7 @@ class _BlockAttention:
     block_pages: int
     page_size: int
     scale: float
-    k_scale: jax.Array | None = None  # int8 pages: each row's scale [kv_heads, pages, page_size]
+    k_scale: jax.Array | None = None  # quantized pages: each row's or page's scale (layers/kv_quant.py)
     v_scale: jax.Array | None = None
 
     def shared_sequence(self, q: jax.Array, pos: jax.Array, rows: jax.Array) -> jax.Array:
@@ -175,7 +177,7 @@ class _BlockAttention:
         block = cache[heads, ids]
         row_scales = self.v_scale if values else self.k_scale
         if row_scales is not None:
-            block = dequantize_rows(block, row_scales[heads, ids])
+            block = dequantize_block(block, row_scales[heads, ids])
         *lead, nb, ps, d = block.shape
         return block.reshape(*lead, nb * ps, d)
 

@@ -23,21 +23,21 @@ def backend_name(name: str, platform: str | None = None) -> str:
     return AUTO_BACKEND.get(platform or jax.default_backend(), "reference")
 
 
-KV_DTYPES = ("auto", "int8")  # auto: the model's dtype
+KV_DTYPES = ("auto", "int8", "fp8")  # auto: the model's dtype
 
 
 def make_backend(name: str, *, block_tokens: int, query_tile: int, model_parallel: int = 1,
                  platform: str | None = None, expert_parallel: int = 1, kv_dtype: str = "auto") -> AttentionBackend:
     """The backend for a replica whose mesh has `model_parallel` devices on its model axis (and
     `expert_parallel` on its expert axis), keeping KV pages in `kv_dtype`; only the reference backend
-    runs beside an expert axis or reads int8 pages yet."""
+    runs beside an expert axis, and the TPU kernel reads no quantized pages yet."""
     platform = platform or jax.default_backend()
     name = backend_name(name, platform)
     if kv_dtype not in KV_DTYPES:
         raise ConfigError(f"engine.kv_dtype must be one of {', '.join(KV_DTYPES)}, got {kv_dtype!r}")
-    if kv_dtype != "auto" and name != "reference":
-        raise ConfigError(f"engine.kv_dtype = {kv_dtype} is read by the reference attention backend only yet, and "
-                          f"engine.attention_backend is {name}; use attention_backend = reference")
+    if kv_dtype != "auto" and name not in ("reference", "pallas_gpu"):
+        raise ConfigError(f"engine.kv_dtype = {kv_dtype} is read by the reference and pallas_gpu attention backends "
+                          f"only yet, and engine.attention_backend is {name}; use attention_backend = reference")
     if expert_parallel > 1 and name != "reference":
         raise ConfigError(f"engine.attention_backend = {name} beside engine.mesh_expert = {expert_parallel} is not "
                           "supported yet (its kernel runs in shard_map over the data and model axes only); use "
@@ -52,7 +52,8 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
     if name == "pallas_gpu":
         from jaxinfer.layers.pallas_attention import PallasGpuAttention
 
-        return PallasGpuAttention(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel)
+        return PallasGpuAttention(block_tokens=block_tokens, query_tile=query_tile, model_parallel=model_parallel,
+                                  kv_dtype=kv_dtype)
     if name in ("pallas_tpu", "ragged_reference"):
         from jaxinfer.layers.ragged_attention import RaggedPagedAttention
 

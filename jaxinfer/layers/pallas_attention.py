@@ -13,7 +13,10 @@ chunks, decode tokens and speculative verification tokens all take the same path
 padding tokens form tiles of their own that write zeros.
 
 The cache layout is the reference backend's, ``[kv_heads, num_pages, page_size, head_dim]`` per
-layer (``kv_layout.SplitPages``), so the two backends are interchangeable. With
+layer (``kv_layout.SplitPages``), so the two backends are interchangeable. Quantized pages
+(``kv_dtype = "int8" | "fp8"``, ``layers/kv_quant.py``) are read as they are stored: a block's values
+are widened to the query's dtype (exact for int8 and e4m3) and their scales multiply the scores'
+columns and the softmax weights, so no dequantized block is formed. With
 ``interpret=True`` the kernel runs on the CPU through Pallas's interpreter (the tests do that).
 """
 
@@ -30,6 +33,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, on_each_model_device, real_tokens
 from jaxinfer.layers.kv_layout import KVCache, SplitPages
+from jaxinfer.layers.kv_quant import QuantizedKV
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
 # Register budget on sm_90 (ptxas -v on the kernel's Triton IR, bf16, head_dim 128): 64 query rows
@@ -80,8 +84,17 @@ def query_tiles(meta: AttentionMetadata, tile_tokens: int) -> QueryTiles:
                       positions[first])
 
 
-def _kernel(start_ref, length_ref, row_ref, first_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *,
+def _key_scales(scale_ref, page_ids: jax.Array, page_size: int) -> jax.Array:
+    """The scales of a block's keys [block_pages * page_size]: stored per row, or per page (repeated)."""
+    scales = scale_ref[page_ids]
+    if scales.ndim == 1:
+        scales = jnp.broadcast_to(scales[:, None], (scales.shape[0], page_size))
+    return scales.reshape(-1)
+
+
+def _kernel(start_ref, length_ref, row_ref, first_ref, page_table_ref, q_ref, k_ref, v_ref, *refs,
             tile_tokens: int, block_pages: int, scale: float) -> None:
+    *scale_refs, o_ref = refs  # quantized pages: the K and V scales
     start, length, row, first = start_ref[0], length_ref[0], row_ref[0], first_ref[0]
     group, head_dim = q_ref.shape[1:]
     page_size = k_ref.shape[-2]
@@ -93,15 +106,20 @@ def _kernel(start_ref, length_ref, row_ref, first_ref, page_table_ref, q_ref, k_
     def visit(block: jax.Array, carry):
         best, total, acc = carry
         page_ids = page_table_ref[row, pl.ds(block * block_pages, block_pages)]
-        keys = k_ref[page_ids].reshape(block_len, head_dim)
-        values = v_ref[page_ids].reshape(block_len, head_dim)
+        keys = k_ref[page_ids].reshape(block_len, head_dim).astype(q.dtype)
+        values = v_ref[page_ids].reshape(block_len, head_dim).astype(q.dtype)
         scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        if scale_refs:
+            key_scales, value_scales = (_key_scales(r, page_ids, page_size) for r in scale_refs)
+            scores = scores * key_scales[None, :]
         key_positions = block * block_len + lax.broadcasted_iota(jnp.int32, (rows, block_len), 1)
         scores = jnp.where(key_positions <= query_positions, scores, NEG_INF)
         new_best = jnp.maximum(best, scores.max(axis=-1))
         weights = jnp.exp(scores - new_best[:, None])
         correction = jnp.exp(best - new_best)
         total = total * correction + weights.sum(axis=-1)
+        if scale_refs:
+            weights = weights * value_scales[None, :]  # after the sum: the scales weigh values, not keys
         acc = acc * correction[:, None] + lax.dot_general(
             weights.astype(values.dtype), values, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return new_best, total, acc
@@ -132,6 +150,7 @@ class PallasGpuAttention(SplitLayout):
     query_tile: int = 16  # tokens of one sequence per program (engine.attention_query_tile)
     interpret: bool = False  # run through Pallas's interpreter (CPU tests)
     model_parallel: int = 1  # devices on the replica mesh's model axis
+    kv_dtype: str = "auto"  # auto | int8 | fp8 (SplitLayout picks the pages' layout)
 
     def attend(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float,
                layout: SplitPages | None = None) -> jax.Array:
@@ -141,32 +160,36 @@ class PallasGpuAttention(SplitLayout):
         return on_each_model_device(functools.partial(self._attend_local, scale=scale), q, cache, meta,
                                     model_parallel=self.model_parallel, layout=layout)
 
-    def _attend_local(self, q: jax.Array, cache: KVCache, meta: AttentionMetadata, scale: float) -> jax.Array:
-        k_cache, v_cache = cache
+    def _attend_local(self, q: jax.Array, cache: KVCache | QuantizedKV, meta: AttentionMetadata, scale: float
+                      ) -> jax.Array:
+        k_cache, v_cache = cache[0], cache[1]
+        scales = tuple(cache[2:])
         num_tokens, num_heads, head_dim = q.shape
         kv_heads, num_pages, page_size, _ = k_cache.shape
         group = num_heads // kv_heads
         padded_group = pl.next_power_of_2(group)
         # A bucket with no more tokens than rows may be all decode tokens (one per row): narrow tiles.
         tile_tokens = self.tile_tokens(group, wide=num_tokens > meta.page_table.shape[0])
-        grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(k_cache.dtype)
+        grouped = q.reshape(num_tokens, kv_heads, group, head_dim).astype(q.dtype if scales else k_cache.dtype)
         grouped = jnp.pad(grouped, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
         block_pages = self._block_pages(page_size, meta.page_table.shape[1], tile_tokens * padded_group)
         tiles = query_tiles(meta, tile_tokens)
         pool = pl.BlockSpec((None, num_pages, page_size, head_dim), lambda t, h: (h, 0, 0, 0))
         per_tile = pl.BlockSpec((1,), lambda t, h: (t,))
         every_token = pl.BlockSpec((num_tokens, None, padded_group, head_dim), lambda t, h: (0, h, 0, 0))
+        scale_pools = [pl.BlockSpec((None, *s.shape[1:]), lambda t, h, n=s.ndim: (h,) + (0,) * (n - 1)) for s in scales]
         out = pl.pallas_call(
             functools.partial(_kernel, tile_tokens=tile_tokens, block_pages=block_pages, scale=scale),
             grid=(tiles.start.shape[0], kv_heads),
             in_specs=[per_tile] * 4 + [pl.BlockSpec(meta.page_table.shape, lambda t, h: (0, 0)), every_token,
-                                       pool, pool],
+                                       pool, pool, *scale_pools],
             out_specs=every_token,
             out_shape=jax.ShapeDtypeStruct(grouped.shape, q.dtype),
             interpret=self.interpret,
             compiler_params=pl_triton.CompilerParams(num_warps=warps_for(tile_tokens * padded_group), num_stages=2),
             name="jaxinfer_paged_attention",
-        )(tiles.start, tiles.length, tiles.row, tiles.first_position, meta.page_table, grouped, k_cache, v_cache)
+        )(tiles.start, tiles.length, tiles.row, tiles.first_position, meta.page_table, grouped, k_cache, v_cache,
+          *scales)
         return out[:, :, :group].reshape(num_tokens, num_heads, head_dim)
 
     def tile_tokens(self, group: int, wide: bool = True) -> int:
