@@ -23,10 +23,15 @@ def add_packed_params(module: nnx.Module, name: str, fmt: PackedFormat, shape: t
         setattr(module, f"{name}_{suffix}", nnx.Param(jnp.zeros(stored, stored_dtype(fmt, suffix)), logical_axes=axes))
 
 
+def weight_params(module: nnx.Module, name: str, fmt: PackedFormat | None) -> list[nnx.Param]:
+    """The parameters holding weight `name`: itself, or its stored arrays when packed in `fmt`."""
+    return [getattr(module, name)] if fmt is None else [getattr(module, f"{name}_{s}") for s in fmt.suffixes]
+
+
 def packed_arrays(module: nnx.Module, name: str, fmt: PackedFormat) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The stored (q, scale, offset) of the packed weight `name`."""
-    offset = getattr(module, f"{name}_offset")[...] if fmt.offset else None
-    return getattr(module, f"{name}_q")[...], getattr(module, f"{name}_scale")[...], offset
+    q, scale, *offset = (param[...] for param in weight_params(module, name, fmt))
+    return q, scale, offset[0] if offset else None
 
 
 def initial_weights(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
@@ -153,9 +158,8 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
         if self.packed is None:
             logits = jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
-        else:  # the transposed arrays are the [embed, vocab] kernel of a packed Linear
-            q, scale, offset = (None if a is None else a.T for a in packed_arrays(self, "weight", self.packed))
-            logits = jnp.dot(x, dequantize(q, scale, offset, self.packed, x.dtype), preferred_element_type=jnp.float32)
+        else:  # the table's transpose is the [embed, vocab] kernel of a packed Linear
+            logits = jnp.dot(x, self.table().T, preferred_element_type=jnp.float32)
         if slots is not None and self.added_rows is not None:
             logits = added_rows_logits(logits, x, self.added_rows[...], self.added_start, slots)
         return logits

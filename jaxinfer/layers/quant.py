@@ -42,6 +42,11 @@ class PackedFormat:
             raise ValueError(f"packed format {self.name}: bits must be 4 or 8 and the group even, got "
                              f"{self.bits} bits, group {self.group}")
 
+    @property
+    def suffixes(self) -> tuple[str, ...]:
+        """The stored arrays' parameter-name suffixes."""
+        return ("q", "scale", "offset") if self.offset else ("q", "scale")
+
     def stored_shapes(self, fan_in: int, fan_out: int) -> dict[str, tuple[int, int]]:
         """The arrays a [fan_in, fan_out] kernel is stored as, by the suffix of their parameter name."""
         rows = fan_in // 2 if self.bits == 4 else fan_in

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.layers.attention import AttentionBackend, AttentionMetadata, ReferenceAttention
-from jaxinfer.layers.basic import Embed, Linear, RMSNorm
+from jaxinfer.layers.basic import Embed, Linear, RMSNorm, weight_params
 from jaxinfer.layers.kv_layout import KVLayout
 from jaxinfer.layers.lora import ZerosFn, slot_one_hot
 from jaxinfer.layers.quant import PackedFormat
@@ -149,13 +149,11 @@ class CausalLM(nnx.Module):
         if grow <= 0:
             return
         embed = self.model.embed_tokens
-        for name in ("weight",) if embed.packed is None else ("weight_q", "weight_scale", "weight_offset"):
-            if hasattr(embed, name):  # packed rows of zero scale and offset are zero rows
-                _pad_param(getattr(embed, name), ((0, grow), (0, 0)))
+        for param in weight_params(embed, "weight", embed.packed):  # packed: zero scales and offsets, zero rows
+            _pad_param(param, ((0, grow), (0, 0)))
         if self.lm_head is not None:
-            for name in ("kernel",) if self.lm_head.packed is None else ("kernel_q", "kernel_scale", "kernel_offset"):
-                if hasattr(self.lm_head, name):
-                    _pad_param(getattr(self.lm_head, name), ((0, 0), (0, grow)))
+            for param in weight_params(self.lm_head, "kernel", self.lm_head.packed):
+                _pad_param(param, ((0, 0), (0, grow)))
         self.config = dataclasses.replace(self.config, vocab_size=size)
 
     def adaptable_linears(self, targets: tuple[str, ...]) -> dict[str, Linear]:

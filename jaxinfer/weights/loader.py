@@ -176,11 +176,12 @@ def _load_orbax(checkpoint: ResolvedCheckpoint, mesh: Mesh, dtype: jnp.dtype, ba
     if shared and target is None:
         raise CheckpointError(f"{source}: a draft that takes {', '.join(shared)} from its target model; load "
                               "it as engine.draft_model of that target")
-    if shared:  # a shared weight the target keeps packed is shared packed
-        stored = {**stored, **{name: fmt for name, fmt in target.packed_formats if name in shared}}
+    shared_packed = {name: fmt for name, fmt in target.packed_formats if name in shared} if shared else {}
+    stored = {**stored, **shared_packed}  # a weight the target keeps packed is shared packed
     model = abstract_model(cfg, dtype, backend, mesh, stored)
     params = parameters(model)
-    shared = [name for name in params if name in shared or name.rpartition("_")[0] in stored.keys() & set(shared)]
+    shared = [stored_name for name in shared for stored_name in (
+        [f"{name}_{suffix}" for suffix in shared_packed[name].suffixes] if name in shared_packed else [name])]
     kept = {name: param for name, param in params.items() if name not in shared}
     tensors = itertools.chain(orbax_io.restore_tensors(checkpoint.path, kept, mesh),
                               _target_tensors(shared, target, params, source))

@@ -3,8 +3,9 @@
 (`engine.weights_dtype = "int8" | "int4"`).
 
 A packed kernel travels from a checkpoint reader to `loader.fill` as a `PackedTensor`: its format
-and its stored arrays in the engine's [in, out] orientation, named by the suffix of their parameter
-(`q`, `scale`, `offset`).
+and its stored arrays rows-first, one row per output as GGUF stores them, named by the suffix of
+their parameter (`q`, `scale`, `offset`). `arrays` turns them to a kernel's [in, out]; an embedding
+table is kept rows-first and takes `rows` as they are.
 """
 
 from __future__ import annotations
@@ -25,12 +26,18 @@ FLOAT_TYPES = (GGML.F32, GGML.F16, GGML.BF16)
 
 @dataclass
 class PackedTensor:
-    """A kernel [fan_in, fan_out] in `fmt`: its stored arrays by parameter suffix."""
+    """A kernel [fan_in, fan_out] in `fmt`: its stored arrays by parameter suffix, rows-first
+    ([fan_out, ...])."""
 
     fmt: PackedFormat
-    arrays: dict[str, np.ndarray]
+    rows: dict[str, np.ndarray]
     fan_in: int
     fan_out: int
+
+    @property
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The stored arrays in a kernel's [in, out] orientation."""
+        return {suffix: np.ascontiguousarray(stored.T) for suffix, stored in self.rows.items()}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -46,13 +53,13 @@ def _pack_nibbles(values: np.ndarray, group: int) -> np.ndarray:
 
 
 def _oriented(fmt: PackedFormat, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None) -> PackedTensor:
-    """Rows-first arrays ([out, ...], as GGUF stores them) turned to the engine's [in, out]."""
+    """Rows-first arrays ([out, ...], as GGUF stores them), the scales in the format's dtype."""
     fan_out = q.shape[0]
     fan_in = q.shape[1] * (2 if fmt.bits == 4 else 1)
-    arrays = {"q": np.ascontiguousarray(q.T), "scale": np.ascontiguousarray(scale.T.astype(fmt.scale_dtype))}
+    rows = {"q": np.ascontiguousarray(q), "scale": np.ascontiguousarray(scale.astype(fmt.scale_dtype))}
     if offset is not None:
-        arrays["offset"] = np.ascontiguousarray(offset.T.astype(fmt.scale_dtype))
-    return PackedTensor(fmt, arrays, fan_in, fan_out)
+        rows["offset"] = np.ascontiguousarray(offset.astype(fmt.scale_dtype))
+    return PackedTensor(fmt, rows, fan_in, fan_out)
 
 
 def repack_gguf(raw: np.ndarray, qtype: GGML, fan_out: int, fan_in: int) -> PackedTensor:

@@ -14,7 +14,7 @@
   engine did before packed weights).
 
 The packed weights are the layers' projections, the embedding table and an untied output head
-(`PACKABLE`); norms, biases, routers and experts stay float in every mode. An embedding is kept
+(`packable`); norms, biases, routers and experts stay float in every mode. An embedding is kept
 rows-first (layers/quant.py), so its arrays are the transpose of a kernel's.
 """
 
@@ -93,8 +93,8 @@ def packed_stream(tensors: Iterable[tuple[str, str, Any]], formats: dict[str, Pa
             array = quantize_kernel(kernel.T if rows_first else kernel, fmt, tensor_name)
         elif array.fmt != fmt:
             raise ConfigError(f"{tensor_name}: packed as {array.fmt.name}, the model was built for {fmt.name}")
-        for suffix, stored in array.arrays.items():
-            yield f"{name}_{suffix}", tensor_name, np.ascontiguousarray(stored.T) if rows_first else stored
+        for suffix, stored in (array.rows if rows_first else array.arrays).items():
+            yield f"{name}_{suffix}", tensor_name, stored
 
 
 def to_meta(formats: dict[str, PackedFormat]) -> dict[str, dict[str, Any]]:
