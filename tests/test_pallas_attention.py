@@ -183,8 +183,8 @@ def quantized_pools(k_cache: jax.Array, v_cache: jax.Array, kv_dtype: str) -> Qu
     pools = []
     for pool in (k_cache, v_cache):
         page_scale = jnp.max(jnp.abs(pool), axis=(2, 3)) / FP8_MAX
-        pools.append((jnp.clip(pool / jnp.where(page_scale > 0, page_scale, 1)[..., None, None], -FP8_MAX, FP8_MAX)
-                      .astype(FP8), page_scale))
+        fp8 = jnp.clip(pool / jnp.where(page_scale > 0, page_scale, 1)[..., None, None], -FP8_MAX, FP8_MAX).astype(FP8)
+        pools.append((jax.lax.bitcast_convert_type(fp8, jnp.uint8), page_scale))  # the pools hold the bits
     return QuantizedKV(pools[0][0], pools[1][0], pools[0][1], pools[1][1])
 
 

@@ -5,7 +5,10 @@
 - `fp8`: float8 e4m3 values and one float32 scale per page and head (its largest magnitude / 448,
   e4m3's largest finite value). A write that raises a page's scale re-rounds the page's earlier
   values to the new scale, and a write to a page's first slot starts the page afresh (the page was
-  just handed out, or everything after that slot is being rewritten).
+  just handed out, or everything after that slot is being rewritten). The pools hold the e4m3 bits
+  as uint8: XLA's CPU backend has no float8 scatter and widens the whole pool around each one
+  (measured 5.7 ms per layer and step against int8's 0.04 ms), while a byte scatter is native
+  everywhere; values are bitcast to e4m3 where they are read.
 
 - On the device: `QuantizedKV` holds the int8 K and V pools `[kv_heads, num_pages, page_size,
   head_dim]` and their scales `[kv_heads, num_pages, page_size]`. The reference attention backend
@@ -55,11 +58,16 @@ def quantize_rows(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return values, scale
 
 
+def stored_values(values: jax.Array) -> jax.Array:
+    """Gathered pool values as numbers: int8 as they are, fp8 pools' uint8 bits as e4m3."""
+    return jax.lax.bitcast_convert_type(values, FP8) if values.dtype == jnp.uint8 else values
+
+
 def dequantize_block(values: jax.Array, scale: jax.Array) -> jax.Array:
     """Gathered values [..., page_size, head_dim] times their scales: [..., page_size] per row, or
     [...] per page."""
     scale = scale.reshape(scale.shape + (1,) * (values.ndim - scale.ndim))
-    return values.astype(jnp.float32) * scale
+    return stored_values(values).astype(jnp.float32) * scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,14 +107,15 @@ class Int8SplitPages(SplitPages):
         return "int8", self.head_dim + SCALE_BYTES
 
 
-def _to_fp8(x: jax.Array) -> jax.Array:
-    return jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)  # e4m3fn has no infinity: past 448 would be NaN
+def _to_fp8_bits(x: jax.Array) -> jax.Array:
+    fp8 = jnp.clip(x, -FP8_MAX, FP8_MAX).astype(FP8)  # e4m3fn has no infinity: past 448 would be NaN
+    return jax.lax.bitcast_convert_type(fp8, jnp.uint8)
 
 
 def write_page_scaled(pool: jax.Array, scale: jax.Array, new: jax.Array, pages: jax.Array, offsets: jax.Array
                       ) -> tuple[jax.Array, jax.Array]:
-    """Writes new rows [T, kv_heads, head_dim] to (pages, offsets) of an fp8 pool [kv_heads, P, page_size,
-    head_dim] with page scales [kv_heads, P]: raises each written page's scale to cover its new rows and
+    """Writes new rows [T, kv_heads, head_dim] to (pages, offsets) of an fp8 pool (uint8 bits) [kv_heads, P,
+    page_size, head_dim] with page scales [kv_heads, P]: raises each written page's scale to cover its new rows and
     re-rounds the page's other rows to it (every copy of a page written twice gets the same values)."""
     x = jnp.swapaxes(new, 0, 1).astype(jnp.float32)  # [kv_heads, T, head_dim]
     fresh = jnp.zeros(scale.shape[1], jnp.int32).at[pages].max((offsets == 0).astype(jnp.int32)) > 0
@@ -114,8 +123,8 @@ def write_page_scaled(pool: jax.Array, scale: jax.Array, new: jax.Array, pages: 
     grown = kept.at[:, pages].max(jnp.max(jnp.abs(x), axis=-1) / FP8_MAX)
     safe = jnp.where(grown > 0, grown, 1.0)
     ratio = (kept / safe)[:, pages][..., None, None]  # a fresh page's stale rows become zeros
-    pool = pool.at[:, pages].set(_to_fp8(pool[:, pages].astype(jnp.float32) * ratio))
-    return pool.at[:, pages, offsets].set(_to_fp8(x / safe[:, pages][..., None])), grown
+    pool = pool.at[:, pages].set(_to_fp8_bits(stored_values(pool[:, pages]).astype(jnp.float32) * ratio))
+    return pool.at[:, pages, offsets].set(_to_fp8_bits(x / safe[:, pages][..., None])), grown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +133,7 @@ class Fp8SplitPages(SplitPages):
 
     def empty(self, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> QuantizedKV:
         shape = (self.kv_heads, num_pages, page_size, self.head_dim)
-        values = [pool_zeros(shape, SPLIT_AXES, FP8, mesh) for _ in range(2)]
+        values = [pool_zeros(shape, SPLIT_AXES, jnp.uint8, mesh) for _ in range(2)]
         scales = [pool_zeros(shape[:2], SPLIT_AXES[:2], jnp.float32, mesh) for _ in range(2)]
         return QuantizedKV(*values, *scales)
 
@@ -138,7 +147,7 @@ class Fp8SplitPages(SplitPages):
     def export(self, cache: QuantizedKV, pages: jax.Array) -> jax.Array:
         rows = []
         for values, scale in ((cache.k, cache.k_scale), (cache.v, cache.v_scale)):
-            page_values = jax.lax.bitcast_convert_type(values[:, pages], jnp.uint8)
+            page_values = values[:, pages]
             scale_bytes = jax.lax.bitcast_convert_type(scale[:, pages], jnp.uint8)  # [kv_heads, pages, 4]
             scale_rows = jnp.broadcast_to(scale_bytes[:, :, None], (*page_values.shape[:3], SCALE_BYTES))
             rows.append(jnp.concatenate([page_values, scale_rows], axis=-1))
@@ -146,7 +155,7 @@ class Fp8SplitPages(SplitPages):
 
     def import_pages(self, cache: QuantizedKV, pages: jax.Array, data: jax.Array) -> QuantizedKV:
         data = jnp.moveaxis(data, 0, 2)  # [2, kv_heads, pages, page_size, head_dim + 4]
-        values = jax.lax.bitcast_convert_type(data[..., : self.head_dim], FP8)
+        values = data[..., : self.head_dim]
         scales = jax.lax.bitcast_convert_type(data[..., 0, self.head_dim:], jnp.float32)  # the first row's
         return QuantizedKV(cache.k.at[:, pages].set(values[0]), cache.v.at[:, pages].set(values[1]),
                            cache.k_scale.at[:, pages].set(scales[0]), cache.v_scale.at[:, pages].set(scales[1]))

@@ -33,7 +33,7 @@ from jax.experimental.pallas import triton as pl_triton
 
 from jaxinfer.layers.attention import NEG_INF, AttentionMetadata, SplitLayout, on_each_model_device, real_tokens
 from jaxinfer.layers.kv_layout import KVCache, SplitPages
-from jaxinfer.layers.kv_quant import QuantizedKV
+from jaxinfer.layers.kv_quant import QuantizedKV, stored_values
 
 MIN_DOT_ROWS = 16  # Triton's tensor-core dot needs at least 16 rows
 # Register budget on sm_90 (ptxas -v on the kernel's Triton IR, bf16, head_dim 128): 64 query rows
@@ -106,8 +106,8 @@ def _kernel(start_ref, length_ref, row_ref, first_ref, page_table_ref, q_ref, k_
     def visit(block: jax.Array, carry):
         best, total, acc = carry
         page_ids = page_table_ref[row, pl.ds(block * block_pages, block_pages)]
-        keys = k_ref[page_ids].reshape(block_len, head_dim).astype(q.dtype)
-        values = v_ref[page_ids].reshape(block_len, head_dim).astype(q.dtype)
+        keys = stored_values(k_ref[page_ids]).reshape(block_len, head_dim).astype(q.dtype)
+        values = stored_values(v_ref[page_ids]).reshape(block_len, head_dim).astype(q.dtype)
         scores = lax.dot_general(q, keys, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         if scale_refs:
             key_scales, value_scales = (_key_scales(r, page_ids, page_size) for r in scale_refs)
