@@ -27,7 +27,8 @@ from jaxinfer.errors import CheckpointError, ConfigError, JaxinferError, Request
 from jaxinfer.kv.page_value import ModelIdentity
 from jaxinfer.kv.store import PageStore
 from jaxinfer.kv.tiers import HostTier, TieredPages
-from jaxinfer.layers.backends import make_backend
+from jaxinfer.layers.backends import make_backend, make_packed_matmul
+from jaxinfer.layers.basic import use_packed_matmul
 from jaxinfer.parallel import make_mesh, replica_meshes
 from jaxinfer.parallel.distributed import ProcessGroup, initialize
 from jaxinfer.parallel.lockstep import Follower, Leader, connect
@@ -188,8 +189,11 @@ class LLM:
         backend = make_backend(cfg.attention_backend, block_tokens=cfg.attention_block_tokens,
                                query_tile=cfg.attention_query_tile, model_parallel=self.mesh.shape["model"],
                                expert_parallel=self.mesh.shape["expert"], kv_dtype=cfg.kv_dtype)
+        matmul = make_packed_matmul(cfg.packed_matmul, model_parallel=self.mesh.shape["model"],
+                                    expert_parallel=self.mesh.shape["expert"])
         meshes = replica_meshes(self.mesh)
         loaded = load_model(checkpoint, meshes[0], self.dtype, backend, gguf_file=gguf_file, weights=weights)
+        use_packed_matmul(loaded.model, matmul)
         if cfg.mesh_expert > 1 and loaded.config.moe is None:
             raise ConfigError(f"engine.mesh_expert = {cfg.mesh_expert}: {checkpoint.name} has no experts to split "
                               "(a dense model runs on the model axis; set mesh_expert = 1)")
@@ -213,6 +217,7 @@ class LLM:
         self.runner.lockstep = self.leader
         if cfg.draft_model:  # speculative decoding: the draft's KV pools share the target's page ids
             draft = load_model(cfg.draft_model, self.mesh, self.dtype, backend, target=loaded.model)
+            use_packed_matmul(draft.model, matmul)
             self.runner.spec = SpecRunner(self.runner, draft.model, draft.config, cfg.num_draft_tokens)
         self.engine = self.new_engine(tiers=self._kv_tiers(checkpoint))
         for spec in cfg.adapters:  # engine.adapters: "NAME" or "NAME=PATH", loaded before any request

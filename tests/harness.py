@@ -35,6 +35,14 @@ class PagedForward:
 
     def run(self, tokens: list[int], start: int) -> np.ndarray:
         """Feeds tokens at positions start.. and returns their logits [len(tokens), vocab]."""
+        logits, self.caches = self._fn(*self._arguments(tokens, start))
+        return np.asarray(logits)
+
+    def compiled_text(self, tokens: list[int], start: int) -> str:
+        """The optimized HLO of the step `run(tokens, start)` would run."""
+        return self._fn.lower(*self._arguments(tokens, start)).compile().as_text()
+
+    def _arguments(self, tokens: list[int], start: int) -> tuple:
         positions = np.arange(start, start + len(tokens), dtype=np.int32)
         meta = AttentionMetadata(
             positions=jnp.asarray(positions),
@@ -44,9 +52,7 @@ class PagedForward:
                                     + positions % self.page_size),
         )
         slots = None if self.adapter_slot is None else jnp.full(len(tokens), self.adapter_slot, jnp.int32)
-        logits, self.caches = self._fn(self.graphdef, self.state, self.caches, jnp.asarray(tokens, jnp.int32), meta,
-                                       slots)
-        return np.asarray(logits)
+        return self.graphdef, self.state, self.caches, jnp.asarray(tokens, jnp.int32), meta, slots
 
 
 def prefill_then_decode(model, prompt: list[int], chunks: tuple[int, ...], steps: int, page_size: int = 8

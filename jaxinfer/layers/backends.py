@@ -1,4 +1,5 @@
-"""The attention backend registry: `engine.attention_backend` names -> backends, checked for the platform.
+"""The attention backend registry: `engine.attention_backend` names -> backends, checked for the platform;
+and `engine.packed_matmul`, the packed projections' matmul kernel, checked the same way.
 
 It sits above the backends (`attention.ReferenceAttention`, `pallas_attention`, `ragged_attention`),
 which share the metadata and helpers of `layers/attention.py` and never import this module.
@@ -11,6 +12,7 @@ import jax
 from jaxinfer.config import ATTENTION_BACKENDS
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.attention import AttentionBackend, ReferenceAttention
+from jaxinfer.layers.basic import PackedMatmul
 
 KERNEL_PLATFORMS = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}  # each kernel backend and where it compiles
 AUTO_BACKEND = {platform: name for name, platform in KERNEL_PLATFORMS.items()}  # elsewhere: the reference
@@ -62,3 +64,26 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
             return RaggedPagedAttention.tpu_kernel(**settings)
         return RaggedPagedAttention.plain_jax(**settings)
     raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
+
+
+PACKED_MATMULS = ("xla", "pallas")
+
+
+def make_packed_matmul(name: str, *, model_parallel: int = 1, expert_parallel: int = 1,
+                       platform: str | None = None) -> PackedMatmul | None:
+    """`engine.packed_matmul`: None for XLA's dequantize-and-dot, else the Pallas kernel of this
+    platform (GPU or TPU, one device per replica: the kernel is not split over a model axis yet)."""
+    platform = platform or jax.default_backend()
+    if name not in PACKED_MATMULS:
+        raise ConfigError(f"engine.packed_matmul must be one of {', '.join(PACKED_MATMULS)}, got {name!r}")
+    if name == "xla":
+        return None
+    if platform not in ("gpu", "tpu"):
+        raise ConfigError(f"engine.packed_matmul = pallas compiles only for GPUs and TPUs, and this platform is "
+                          f"{platform}; use xla")
+    if model_parallel * expert_parallel > 1:
+        raise ConfigError(f"engine.packed_matmul = pallas runs on one device per replica yet, and the mesh has "
+                          f"{model_parallel} on its model axis and {expert_parallel} on its expert axis; use xla")
+    from jaxinfer.layers.pallas_matmul import PallasPackedMatmul
+
+    return PallasPackedMatmul(platform=platform)

@@ -4,6 +4,7 @@ and an embedding table may be kept packed (layers/quant.py)."""
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,27 @@ def packed_arrays(module: nnx.Module, name: str, fmt: PackedFormat) -> tuple[jax
     return q, scale, offset[0] if offset else None
 
 
+class PackedMatmul(Protocol):
+    """A kernel for x [M, K] @ a packed [K, N] weight -> [M, N] float32 (layers/pallas_matmul.py)."""
+
+    def fits(self, fmt: PackedFormat, fan_in: int, fan_out: int) -> bool: ...
+
+    def __call__(self, x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None,
+                 fmt: PackedFormat) -> jax.Array: ...
+
+
+def use_packed_matmul(model: nnx.Module, kernel: PackedMatmul | None) -> int:
+    """Route every packed Linear of `model` whose shape the kernel tiles through `kernel` (None: back
+    to XLA's dequantize-and-dot); returns how many now use it."""
+    routed = 0
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, Linear) and module.packed is not None:
+            fits = kernel is not None and kernel.fits(module.packed, *module.shape)
+            module.matmul = kernel if fits else None
+            routed += fits
+    return routed
+
+
 def initial_weights(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype: jnp.dtype, scale: float = 0.02) -> jax.Array:
     if rngs is None:
         return jnp.zeros(shape, dtype)
@@ -44,7 +66,8 @@ class Linear(nnx.Module):
     """y = x @ kernel (+ LoRA delta) (+ bias); kernel is stored [in, out] (the transpose of torch's Linear).
 
     With `packed`, the kernel is kept in that format (`kernel_q`, `kernel_scale`, `kernel_offset`;
-    layers/quant.py) and dequantized inside the matmul's computation.
+    layers/quant.py) and dequantized inside the matmul's computation, or multiplied by `matmul`
+    (`use_packed_matmul`: a Pallas kernel that dequantizes tile by tile).
     `add_lora_slots` gives it adapter slots (layers/lora.py); `lora` is then the tokens' one-hot slot."""
 
     def __init__(
@@ -66,6 +89,7 @@ class Linear(nnx.Module):
             add_packed_params(self, "kernel", packed, self.shape, axes)
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype), logical_axes=(axes[1],)) if bias else None
         self.axes = axes
+        self.matmul: PackedMatmul | None = None
         self.lora_a: LoraParam | None = nnx.data(None)
         self.lora_b: LoraParam | None = nnx.data(None)
 
@@ -84,7 +108,11 @@ class Linear(nnx.Module):
         return dequantize(*packed_arrays(self, "kernel", self.packed), self.packed, dtype)
 
     def __call__(self, x: jax.Array, lora: jax.Array | None = None) -> jax.Array:
-        y = jnp.dot(x, self.weight(x.dtype), preferred_element_type=jnp.float32)
+        if self.matmul is not None:
+            flat = self.matmul(x.reshape(-1, self.shape[0]), *packed_arrays(self, "kernel", self.packed), self.packed)
+            y = flat.reshape(*x.shape[:-1], self.shape[1])
+        else:
+            y = jnp.dot(x, self.weight(x.dtype), preferred_element_type=jnp.float32)
         if lora is not None and self.lora_a is not None:
             y = y + lora_delta(x, self.lora_a[...], self.lora_b[...], lora)
         y = y.astype(x.dtype)
