@@ -187,6 +187,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="engine.attention_backend (default: the engine config's, auto)")
     p.add_argument("--weights-dtype", default="auto", help="engine.weights_dtype: int8 / int4 pack the random "
                    "projections (docs/models.md, \"Packed weights\"); the roofline counts their packed bytes")
+    p.add_argument("--packed-matmul", choices=("xla", "pallas"), default="xla",
+                   help="engine.packed_matmul: the packed projections' matmul (layers/pallas_matmul.py)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--in-len", type=int, default=128)
     p.add_argument("--decode-tokens", type=int, default=128)
@@ -214,12 +216,13 @@ def bench(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as directory:
         start = time.perf_counter()
         overrides = {} if args.attention is None else {"attention_backend": args.attention}
-        overrides["weights_dtype"] = args.weights_dtype
+        overrides.update(weights_dtype=args.weights_dtype, packed_matmul=args.packed_matmul)
         llm = LLM(str(shape_folder(args.shape, Path(directory))), config, max_seqs=max_seqs,
                   max_model_len=longest, num_pages=max_seqs * (-(-longest // 16) + 1) + 1, page_size=16, **overrides)
         emit(dict(what="jaxinfer_shape_env", shape=args.shape, jax=jax.__version__, backend=jax.default_backend(),
                   device=str(jax.devices()[0].device_kind), dtype=np.dtype(llm.dtype).name,
-                  attention=backend_name(llm.config.attention_backend),
+                  attention=backend_name(llm.config.attention_backend), weights_dtype=args.weights_dtype,
+                  packed_matmul=args.packed_matmul,
                   load_s=round(llm.load_seconds, 1), warmup_s=round(llm.warmup_seconds, 1),
                   startup_s=round(time.perf_counter() - start, 1)))
         ceiling = ceilings(llm.dtype, on_cpu)
