@@ -126,9 +126,10 @@ def permute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
         weight.shape)
 
 
-def write_gguf(loaded: LoadedModel, path: Path) -> Path:
+def write_gguf(loaded: LoadedModel, path: Path, experts_type: gguf.GGMLQuantizationType | None = None) -> Path:
     """The loaded model as llama.cpp writes it: its names, [out, in] matrices, stacked experts, and for
-    `llama` (Mixtral) the q/k rows permuted. F32 tensors, so the numbers are the checkpoint's."""
+    `llama` (Mixtral) the q/k rows permuted. F32 tensors, so the numbers are the checkpoint's; with
+    `experts_type`, the stacked experts quantized into it by the gguf package."""
     cfg = loaded.config
     arch = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}[cfg.architecture]
     writer = gguf.GGUFWriter(str(path), arch)
@@ -154,7 +155,11 @@ def write_gguf(loaded: LoadedModel, path: Path) -> Path:
         array = array.swapaxes(1, 2) if array.ndim == 3 else array
         if arch == "llama" and name.endswith(("q_proj.kernel", "k_proj.kernel")):
             array = permute_rows(array, cfg.num_heads if "q_proj" in name else cfg.num_kv_heads)
-        writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
+        if experts_type is not None and array.ndim == 3:
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(np.ascontiguousarray(array), experts_type),
+                              raw_dtype=experts_type)
+        else:
+            writer.add_tensor(gguf_name(name), np.ascontiguousarray(array))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -101,7 +101,8 @@ class DecoderLayer(nnx.Module):
             self.mlp = MLP(cfg, dtype, rngs, packed.get("mlp"))
         else:
             self.feed_forward_name = spec.experts.module
-            setattr(self, spec.experts.module, SparseMoE(cfg.hidden_size, spec.experts, placement, dtype, rngs))
+            setattr(self, spec.experts.module, SparseMoE(cfg.hidden_size, spec.experts, placement, dtype, rngs,
+                                                         packed.get(spec.experts.module)))
 
     def __call__(
         self, x: jax.Array, cache: LayerCache, meta: AttentionMetadata, inv_freq: jax.Array, lora: jax.Array | None

@@ -55,13 +55,14 @@ class DecoderStack(nnx.Module):
 
 
 def _layer_formats(packed: dict[str, PackedFormat], index: int) -> dict[str, dict[str, PackedFormat]]:
-    """Layer `index`'s packed projections by block and name, from formats by kernel parameter name."""
+    """Layer `index`'s packed weights by block and name within it ("q_proj", or a sparse block's
+    "experts.gate_proj"), from formats by parameter name."""
     found: dict[str, dict[str, PackedFormat]] = {}
     prefix = f"model.layers.{index}."
     for name, fmt in packed.items():
-        if name.startswith(prefix) and name.endswith(".kernel"):
-            block, projection = name[len(prefix):].removesuffix(".kernel").split(".")
-            found.setdefault(block, {})[projection] = fmt
+        if name.startswith(prefix):
+            block, inner = name[len(prefix):].removesuffix(".kernel").split(".", 1)
+            found.setdefault(block, {})[inner] = fmt
     return found
 
 

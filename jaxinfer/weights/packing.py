@@ -36,8 +36,15 @@ class PackedTensor:
 
     @property
     def arrays(self) -> dict[str, np.ndarray]:
-        """The stored arrays in a kernel's [in, out] orientation."""
-        return {suffix: np.ascontiguousarray(stored.T) for suffix, stored in self.rows.items()}
+        """The stored arrays in a kernel's [in, out] orientation (a stack's: [experts, in, out])."""
+        return {suffix: np.ascontiguousarray(np.swapaxes(stored, -1, -2)) for suffix, stored in self.rows.items()}
+
+
+def stack_experts(kernels: list[PackedTensor]) -> PackedTensor:
+    """One packed tensor of stacked experts from each expert's, in order (arrays [experts, out, ...])."""
+    first = kernels[0]
+    rows = {suffix: np.stack([kernel.rows[suffix] for kernel in kernels]) for suffix in first.rows}
+    return PackedTensor(first.fmt, rows, first.fan_in, first.fan_out)
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:

@@ -13,9 +13,10 @@
 - `float32` / `bfloat16`: every weight is dequantized at load into the engine's dtype (what the
   engine did before packed weights).
 
-The packed weights are the layers' projections, the embedding table and an untied output head
-(`packable`); norms, biases, routers and experts stay float in every mode. An embedding is kept
-rows-first (layers/quant.py), so its arrays are the transpose of a kernel's.
+The packed weights are the layers' projections, a sparse layer's stacked experts, the embedding
+table and an untied output head (`packable`); norms, biases and routers stay float in every mode. An
+embedding is kept rows-first (layers/quant.py), so its arrays are the transpose of a kernel's; an
+expert stack is each expert's kernel arrays stacked on a leading axis.
 """
 
 from __future__ import annotations
@@ -31,16 +32,17 @@ import numpy as np
 from jaxinfer.errors import ConfigError
 from jaxinfer.layers.quant import PackedFormat, load_format
 from jaxinfer.models.decoder import EMBEDDING, OUTPUT_HEAD
-from jaxinfer.weights.packing import PackedTensor, quantize_kernel
+from jaxinfer.weights.packing import PackedTensor, quantize_kernel, stack_experts
 
 WEIGHTS_DTYPES = ("auto", "packed", "int8", "int4", "float32", "bfloat16")
 WEIGHTS_GROUPS = (16, 32, 64, 128, 256)
 PROJECTION = re.compile(r"^model\.layers\.\d+\.(self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.kernel$")
+EXPERTS = re.compile(r"^model\.layers\.\d+\.\w+\.experts\.\w+$")  # stacked [experts, in, out]
 
 
 def packable(name: str) -> bool:
     """Whether the parameter `name` may be kept packed: a projection, the embedding or the output head."""
-    return bool(PROJECTION.match(name)) or name in (EMBEDDING, OUTPUT_HEAD)
+    return bool(PROJECTION.match(name) or EXPERTS.match(name)) or name in (EMBEDDING, OUTPUT_HEAD)
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,10 @@ def packed_stream(tensors: Iterable[tuple[str, str, Any]], formats: dict[str, Pa
         rows_first = name == EMBEDDING
         if not isinstance(array, PackedTensor):
             kernel = np.asarray(array, np.float32)
-            array = quantize_kernel(kernel.T if rows_first else kernel, fmt, tensor_name)
+            if kernel.ndim == 3:  # stacked experts, each quantized as a kernel of its own
+                array = stack_experts([quantize_kernel(expert, fmt, tensor_name) for expert in kernel])
+            else:
+                array = quantize_kernel(kernel.T if rows_first else kernel, fmt, tensor_name)
         elif array.fmt != fmt:
             raise ConfigError(f"{tensor_name}: packed as {array.fmt.name}, the model was built for {fmt.name}")
         for suffix, stored in (array.rows if rows_first else array.arrays).items():
