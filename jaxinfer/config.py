@@ -212,7 +212,7 @@ class EngineConfig:
     # projections kept packed on the device (weights/weight_plan.py): auto | packed | int8 | int4 | float32 | bfloat16
     weights_dtype: str = "auto"
     weights_group: int = 32  # input rows per scale for int8 / int4
-    packed_matmul: str = "xla"  # packed projections: xla (XLA fuses the dequantize) | pallas (layers/pallas_matmul.py)
+    packed_matmul: str = "auto"  # auto (chunked on CPUs, else xla) | xla | chunked | pallas: layers/backends.py
     kv_dtype: str = "auto"  # KV pages: auto (the model's dtype) | int8 (row scales) | fp8 (page scales): kv_quant.py
     page_size: int = 16
     num_pages: int = 1024  # including the null page 0

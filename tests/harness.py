@@ -42,6 +42,10 @@ class PagedForward:
         """The optimized HLO of the step `run(tokens, start)` would run."""
         return self._fn.lower(*self._arguments(tokens, start)).compile().as_text()
 
+    def compiled_memory(self, tokens: list[int], start: int):
+        """XLA's memory analysis of that step (its temporaries: `temp_size_in_bytes`)."""
+        return self._fn.lower(*self._arguments(tokens, start)).compile().memory_analysis()
+
     def _arguments(self, tokens: list[int], start: int) -> tuple:
         positions = np.arange(start, start + len(tokens), dtype=np.int32)
         meta = AttentionMetadata(

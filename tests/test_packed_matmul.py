@@ -8,11 +8,14 @@
   does not fuse the dequantize into the dot).
 - The kernel lowers to Triton for CUDA and to Mosaic for TPUs here (no accelerator needed), with no
   weight-shaped float tensor outside it.
+- The CPU's chunked dequantize (layers/chunked_matmul.py) gives the whole weight's numbers, and the
+  CPU step over packed SmolLM2 then holds a few MB of temporaries, not a float copy of the model.
 - `engine.packed_matmul` is checked by name.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import jax
@@ -26,11 +29,13 @@ from jaxinfer.errors import ConfigError
 from jaxinfer.layers import pallas_matmul
 from jaxinfer.layers.backends import make_packed_matmul
 from jaxinfer.layers.basic import use_packed_matmul
+from jaxinfer.layers.chunked_matmul import ChunkedMatmul, chunk_count
 from jaxinfer.layers.pallas_matmul import PallasPackedMatmul
-from jaxinfer.layers.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, PackedFormat, dequantize, load_format
+from jaxinfer.layers.quant import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, PackedFormat, dequantize, dequantize_rows, load_format
 from jaxinfer.parallel import make_mesh
 from jaxinfer.weights.loader import load_model
 from jaxinfer.weights.weight_plan import WeightsChoice
+from jaxinfer.xla_flags import CPU_SCHEDULER_FLAG
 
 FORMATS = [Q8_0, Q4_0, Q4_1, Q4_K, Q6_K, load_format(8, 64), load_format(4, 64)]
 INTERPRET = PallasPackedMatmul(interpret=True)
@@ -133,11 +138,48 @@ def test_the_kernel_lowers_for_accelerators_on_this_cpu(platform, custom_call, f
     assert "576x1536xbf16" not in module and "576x1536xf32" not in module
 
 
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0], ids=lambda f: f.name)
+def test_chunked_dequantize_gives_the_whole_weight_s_numbers(fmt):
+    """The CPU's chunked matmul: columns a chunk at a time (a kernel) and vocabulary rows a chunk at a
+    time (a rows-first table as the output head), each the whole weight's numbers (up to the dots' summation order)."""
+    chunked = ChunkedMatmul(chunk_bytes=1 << 16)
+    q, scale, offset = packed_kernel(fmt, 256, 512, 5)
+    x = jnp.asarray(np.random.default_rng(6).standard_normal((3, 256)).astype(np.float32))
+    assert chunk_count(512, 256, 1 << 16) == 8
+    whole = np.asarray(x @ dequantize(q, scale, offset, fmt, jnp.float32))
+    bound = 2e-6 * np.abs(whole).max()  # float32 rounding of the sums
+    np.testing.assert_allclose(np.asarray(chunked(x, q, scale, offset, fmt)), whole, rtol=0, atol=bound)
+    table = [None if a is None else a.T for a in (q, scale, offset)]  # [512 rows, 256 values], rows-first
+    np.testing.assert_allclose(np.asarray(chunked.rows_first(x, *table, fmt)),
+                               np.asarray(x @ dequantize_rows(*table, fmt, jnp.float32).T), rtol=0, atol=bound)
+    assert chunk_count(100, 256, 1 << 30) == 1 and chunk_count(97, 4096, 1 << 12) == 1  # small; no divisor
+
+
+def test_the_cpu_step_holds_one_weight_chunk_not_the_float_model(smollm2_packed):
+    """With XLA's CPU scheduler ordering for memory (jaxinfer/xla_flags.py) and the head chunked, the
+    compiled step's temporaries are a few MB, where the float32 model is 538 MB; the same logits."""
+    assert CPU_SCHEDULER_FLAG in os.environ["XLA_FLAGS"]
+    prompt = list(range(300, 304))
+    expected = PagedForward(smollm2_packed).run(prompt, 0)
+    assert use_packed_matmul(smollm2_packed, ChunkedMatmul()) == 30 * 7 + 1  # the projections and the head
+    try:
+        forward = PagedForward(smollm2_packed)
+        got = forward.run(prompt, 0)
+        text = forward.compiled_text(prompt, 0)
+        temp = forward.compiled_memory(prompt, 0).temp_size_in_bytes
+    finally:
+        use_packed_matmul(smollm2_packed, None)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=0)
+    assert "f32[49152,576]" not in text and temp < 16e6, temp
+
+
 def test_packed_matmul_settings_are_checked_by_name():
     assert make_packed_matmul("xla") is None
+    assert make_packed_matmul("auto", platform="cpu") == ChunkedMatmul() == make_packed_matmul("chunked")
+    assert make_packed_matmul("auto", platform="gpu") is None
     assert make_packed_matmul("pallas", platform="gpu") == PallasPackedMatmul(platform="gpu")
     assert make_packed_matmul("pallas", platform="tpu") == PallasPackedMatmul(platform="tpu")
-    with pytest.raises(ConfigError, match=r"engine\.packed_matmul must be one of xla, pallas, got 'triton'"):
+    with pytest.raises(ConfigError, match=r"packed_matmul must be one of auto, xla, chunked, pallas, got 'triton'"):
         make_packed_matmul("triton")
     with pytest.raises(ConfigError, match="compiles only for GPUs and TPUs, and this platform is cpu"):
         make_packed_matmul("pallas", platform="cpu")

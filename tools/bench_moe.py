@@ -4,6 +4,7 @@ expert, and the collective bytes per token of its expert-parallel step against t
 
     python tools/bench.py moe                                   # tokens/s and EP bytes, one JSON line each
     python tools/bench.py moe --tokens 1 64 256 --matmul tiled dense ragged_dot
+    python tools/bench.py moe --weights-dtype float int8 int4 --matmul tiled --ep 0   # packed experts
 
 The throughput rows time one layer (router, grouping, the experts' MLPs, the weighted sum) jitted
 on this machine's default device. The bytes row compiles, in a child process with `--ep` virtual
@@ -38,23 +39,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul", nargs="+", default=["tiled", "ragged_dot", "dense"],
                         choices=["tiled", "ragged_dot", "dense"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--weights-dtype", nargs="+", default=["float"], choices=["float", "int8", "int4"],
+                        help="the experts' storage for the throughput rows: float, or packed (group 32)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ep", type=int, default=4, help="expert-axis devices for the bytes row (0: skip)")
     parser.add_argument("--ep-tokens", type=int, default=64)
     parser.add_argument("--ep-layers", type=int, default=2, help="sparse layers of the forward pass compiled")
 
 
-def _layer(placement, dtype):
-    """The engine's sparse block at the Qwen3-30B-A3B shape, random weights, and its jitted call."""
+def _layer(placement, dtype, weights_dtype: str = "float"):
+    """The engine's sparse block at the Qwen3-30B-A3B shape with random weights; `weights_dtype`
+    int8 / int4: the experts packed (random values, scales of about N(0, 0.02)'s size)."""
+    import jax
     import jax.numpy as jnp
     from flax import nnx
 
+    from jaxinfer.layers.quant import load_format
     from jaxinfer.models.experts import ExpertsSpec, SparseMoE
 
-    spec = ExpertsSpec(module="mlp", projections=("gate_proj", "up_proj", "down_proj"),
+    projections = ("gate_proj", "up_proj", "down_proj")
+    spec = ExpertsSpec(module="mlp", projections=projections,
                        num_experts=SHAPE["experts"], top_k=SHAPE["top_k"], width=SHAPE["width"], renormalize=True)
-    block = SparseMoE(SHAPE["hidden"], spec, placement, jnp.dtype(dtype), nnx.Rngs(0))
+    packed = {} if weights_dtype == "float" else {
+        f"experts.{name}": load_format(8 if weights_dtype == "int8" else 4, 32) for name in projections}
+    block = SparseMoE(SHAPE["hidden"], spec, placement, jnp.dtype(dtype), nnx.Rngs(0), packed)
+    for index, (path, param) in enumerate(nnx.iter_graph(block.experts)):
+        if isinstance(param, nnx.Param) and str(path[-1]).endswith(("_q", "_scale")):
+            value = param.get_value()
+            if str(path[-1]).endswith("_q"):
+                bits = jax.random.bits(jax.random.key(index), value.shape, jnp.uint8)
+                param.set_value(jax.lax.bitcast_convert_type(bits, value.dtype))
+            else:
+                param.set_value(jnp.full(value.shape, 0.005, value.dtype))
     return block
+
+
+def expert_bytes(block) -> int:
+    """Bytes of the block's expert stacks as stored."""
+    from flax import nnx
+
+    return sum(param.get_value().nbytes for _, param in nnx.iter_graph(block.experts) if isinstance(param, nnx.Param))
 
 
 def _calls(block, matmul: str):
@@ -94,20 +118,23 @@ def bench_throughput(args: argparse.Namespace) -> None:
 
     from jaxinfer.models.experts import ExpertPlacement
 
-    block = _layer(ExpertPlacement(), args.dtype)
-    seconds_by: dict[tuple[int, str], float] = {}
-    for tokens in args.tokens:
-        x = jax.random.normal(jax.random.key(tokens), (tokens, SHAPE["hidden"])).astype(args.dtype)
-        real = jnp.ones(tokens, bool)
-        for matmul in args.matmul:
-            call, state = _calls(block, matmul)
-            seconds = seconds_by[(tokens, matmul)] = _time(call, (state, x, real), args.repeats)
-            emit(dict(what="moe_layer", backend=jax.default_backend(), dtype=args.dtype, tokens=tokens,
-                      matmul=matmul, ms=round(1000 * seconds, 2), tokens_per_s=round(tokens / seconds, 1), **SHAPE))
-        for matmul in args.matmul:
-            if matmul != "dense" and (tokens, "dense") in seconds_by:
-                emit(dict(what="moe_layer_ratio", tokens=tokens, matmul=matmul,
-                          speedup_vs_dense=round(seconds_by[(tokens, "dense")] / seconds_by[(tokens, matmul)], 2)))
+    for weights_dtype in args.weights_dtype:
+        block = _layer(ExpertPlacement(), args.dtype, weights_dtype)
+        stored = expert_bytes(block)
+        seconds_by: dict[tuple[int, str], float] = {}
+        for tokens in args.tokens:
+            x = jax.random.normal(jax.random.key(tokens), (tokens, SHAPE["hidden"])).astype(args.dtype)
+            real = jnp.ones(tokens, bool)
+            for matmul in args.matmul:
+                call, state = _calls(block, matmul)
+                seconds = seconds_by[(tokens, matmul)] = _time(call, (state, x, real), args.repeats)
+                emit(dict(what="moe_layer", backend=jax.default_backend(), dtype=args.dtype, weights=weights_dtype,
+                          expert_bytes=stored, tokens=tokens, matmul=matmul, ms=round(1000 * seconds, 2),
+                          tokens_per_s=round(tokens / seconds, 1), **SHAPE))
+            for matmul in args.matmul:
+                if matmul != "dense" and (tokens, "dense") in seconds_by:
+                    emit(dict(what="moe_layer_ratio", weights=weights_dtype, tokens=tokens, matmul=matmul,
+                              speedup_vs_dense=round(seconds_by[(tokens, "dense")] / seconds_by[(tokens, matmul)], 2)))
 
 
 def collective_bytes(hlo: str) -> list[dict]:

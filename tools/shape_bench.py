@@ -187,7 +187,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="engine.attention_backend (default: the engine config's, auto)")
     p.add_argument("--weights-dtype", default="auto", help="engine.weights_dtype: int8 / int4 pack the random "
                    "projections (docs/models.md, \"Packed weights\"); the roofline counts their packed bytes")
-    p.add_argument("--packed-matmul", choices=("xla", "pallas"), default="xla",
+    p.add_argument("--packed-matmul", choices=("auto", "xla", "chunked", "pallas"), default="auto",
                    help="engine.packed_matmul: the packed projections' matmul (layers/pallas_matmul.py)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--in-len", type=int, default=128)

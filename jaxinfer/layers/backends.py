@@ -66,24 +66,31 @@ def make_backend(name: str, *, block_tokens: int, query_tile: int, model_paralle
     raise ValueError(f"unknown attention backend {name!r} (one of {', '.join(ATTENTION_BACKENDS)})")
 
 
-PACKED_MATMULS = ("xla", "pallas")
+PACKED_MATMULS = ("auto", "xla", "chunked", "pallas")
 
 
 def make_packed_matmul(name: str, *, model_parallel: int = 1, expert_parallel: int = 1,
                        platform: str | None = None) -> PackedMatmul | None:
-    """`engine.packed_matmul`: None for XLA's dequantize-and-dot, else the Pallas kernel of this
-    platform (GPU or TPU, one device per replica: the kernel is not split over a model axis yet)."""
+    """`engine.packed_matmul`: None for XLA's dequantize-and-dot, the CPU's chunked dequantize
+    (layers/chunked_matmul.py; `auto` there), or the Pallas kernel of a GPU or TPU (one device per
+    replica: the kernel is not split over a model axis yet)."""
     platform = platform or jax.default_backend()
     if name not in PACKED_MATMULS:
         raise ConfigError(f"engine.packed_matmul must be one of {', '.join(PACKED_MATMULS)}, got {name!r}")
+    if name == "auto":
+        name = "chunked" if platform == "cpu" else "xla"
     if name == "xla":
         return None
+    if name == "chunked":
+        from jaxinfer.layers.chunked_matmul import ChunkedMatmul
+
+        return ChunkedMatmul()
     if platform not in ("gpu", "tpu"):
         raise ConfigError(f"engine.packed_matmul = pallas compiles only for GPUs and TPUs, and this platform is "
-                          f"{platform}; use xla")
+                          f"{platform}; use auto, xla or chunked")
     if model_parallel * expert_parallel > 1:
         raise ConfigError(f"engine.packed_matmul = pallas runs on one device per replica yet, and the mesh has "
-                          f"{model_parallel} on its model axis and {expert_parallel} on its expert axis; use xla")
+                          f"{model_parallel} on its model axis and {expert_parallel} on its expert axis; use auto")
     from jaxinfer.layers.pallas_matmul import PallasPackedMatmul
 
     return PallasPackedMatmul(platform=platform)

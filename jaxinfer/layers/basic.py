@@ -45,14 +45,19 @@ class PackedMatmul(Protocol):
 
 
 def use_packed_matmul(model: nnx.Module, kernel: PackedMatmul | None) -> int:
-    """Route every packed Linear of `model` whose shape the kernel tiles through `kernel` (None: back
-    to XLA's dequantize-and-dot); returns how many now use it."""
+    """Route every packed Linear of `model` whose shape the kernel takes through `kernel`, and a packed
+    embedding's output head where the kernel has a `rows_first` form (None: back to XLA's
+    dequantize-and-dot everywhere); returns how many weights now use it."""
     routed = 0
     for _, module in nnx.iter_modules(model):
         if isinstance(module, Linear) and module.packed is not None:
             fits = kernel is not None and kernel.fits(module.packed, *module.shape)
-            module.matmul = kernel if fits else None
-            routed += fits
+        elif isinstance(module, Embed) and module.packed is not None:
+            fits = hasattr(kernel, "rows_first") and kernel.fits(module.packed, module.dim, module.vocab)
+        else:
+            continue
+        module.matmul = kernel if fits else None
+        routed += fits
     return routed
 
 
@@ -145,6 +150,7 @@ class Embed(nnx.Module):
             add_packed_params(self, "weight", packed, (vocab, dim), ("vocab", "embed"), rows_first=True)
         self.added_rows: LoraParam | None = nnx.data(None)
         self.added_start = vocab
+        self.matmul: PackedMatmul | None = None  # the packed head's matmul (use_packed_matmul)
 
     @property
     def vocab(self) -> int:
@@ -186,6 +192,10 @@ class Embed(nnx.Module):
     def attend(self, x: jax.Array, slots: jax.Array | None = None) -> jax.Array:
         if self.packed is None:
             logits = jnp.einsum("...e,ve->...v", x, self.weight[...], preferred_element_type=jnp.float32)
+        elif self.matmul is not None:
+            flat = self.matmul.rows_first(x.reshape(-1, self.dim), *packed_arrays(self, "weight", self.packed),
+                                          self.packed)
+            logits = flat.reshape(*x.shape[:-1], flat.shape[-1])
         else:  # the table's transpose is the [embed, vocab] kernel of a packed Linear
             logits = jnp.dot(x, self.table().T, preferred_element_type=jnp.float32)
         if slots is not None and self.added_rows is not None:
