@@ -5,9 +5,9 @@
   projections stay in their blocks (weights/packing.py), an orbax checkpoint's packed projections
   stay packed, and float checkpoints stay float.
 - `auto`: `packed` on GPUs and TPUs. On the CPU a GGUF's projections are dequantized at load: XLA's
-  CPU backend writes each dequantized weight out before its matmul, every step, which made SmolLM2
-  3.8x slower at batch 1 (docs/benchmarks.md, "CPU: packed weights"). An orbax checkpoint stored
-  packed stays packed everywhere.
+  CPU backend writes each dequantized weight out before its matmul, every step, which leaves SmolLM2
+  packed at 0.76x float32's speed at batch 1 (docs/models.md, "Packed weights"). An orbax checkpoint
+  stored packed stays packed everywhere.
 - `int8` / `int4`: every projection of the layers is quantized at load, per group of
   `engine.weights_group` input rows (a quantized GGUF's projections are dequantized first).
 - `float32` / `bfloat16`: every weight is dequantized at load into the engine's dtype (what the
