@@ -15,12 +15,14 @@ from jaxinfer.layers.quant import PackedFormat, dequantize, dequantize_rows, sto
 
 
 def add_packed_params(module: nnx.Module, name: str, fmt: PackedFormat, shape: tuple[int, int],
-                      axes: tuple[str, str], rows_first: bool = False) -> None:
+                      axes: tuple[str | None, ...], rows_first: bool = False, stacked: int = 0) -> None:
     """Zeroed stored arrays `{name}_q`, `{name}_scale` (and `{name}_offset`) of a [in, out] weight in
-    `fmt`, transposed where `rows_first` (an embedding table's [vocab, embed])."""
+    `fmt`, transposed where `rows_first` (an embedding table's [vocab, embed]), with a leading axis of
+    `stacked` copies where that is set (an expert stack's)."""
     fan_in, fan_out = shape[::-1] if rows_first else shape
     for suffix, stored in fmt.stored_shapes(fan_in, fan_out).items():
         stored = stored[::-1] if rows_first else stored
+        stored = (stacked, *stored) if stacked else stored
         setattr(module, f"{name}_{suffix}", nnx.Param(jnp.zeros(stored, stored_dtype(fmt, suffix)), logical_axes=axes))
 
 

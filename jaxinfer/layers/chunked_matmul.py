@@ -49,7 +49,6 @@ class ChunkedMatmul:
     def __call__(self, x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None,
                  fmt: PackedFormat) -> jax.Array:
         """x [M, K] @ the packed [K, N] kernel -> [M, N] float32, a chunk of columns at a time."""
-        x, q, scale, offset = jax.lax.optimization_barrier((x, q, scale, offset))
         count = chunk_count(q.shape[1], x.shape[1], self.chunk_bytes)
         if count == 1:
             return jnp.dot(x, dequantize(q, scale, offset, fmt, x.dtype), preferred_element_type=jnp.float32)
@@ -65,7 +64,6 @@ class ChunkedMatmul:
     def rows_first(self, x: jax.Array, q: jax.Array, scale: jax.Array, offset: jax.Array | None,
                    fmt: PackedFormat) -> jax.Array:
         """x [M, embed] @ the rows-first table [vocab, embed]'s transpose -> [M, vocab] float32."""
-        x, q, scale, offset = jax.lax.optimization_barrier((x, q, scale, offset))
         count = chunk_count(q.shape[0], x.shape[1], self.chunk_bytes)
         chunks = [None if a is None else a.reshape(count, a.shape[0] // count, a.shape[1]) for a in (q, scale, offset)]
 

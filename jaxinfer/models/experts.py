@@ -26,9 +26,9 @@ from flax import nnx
 from jax.sharding import AbstractMesh, AxisType, PartitionSpec
 
 from jaxinfer.errors import ConfigError
-from jaxinfer.layers.basic import Linear, initial_weights
+from jaxinfer.layers.basic import Linear, add_packed_params, initial_weights, packed_arrays
 from jaxinfer.layers.moe import ExpertKernels, PackedStack, local_experts, resolve_matmul, route
-from jaxinfer.layers.quant import PackedFormat, stored_dtype
+from jaxinfer.layers.quant import PackedFormat
 from jaxinfer.parallel.mesh import MESH_AXES
 
 
@@ -73,9 +73,7 @@ class StackedExperts(nnx.Module):
             if fmt is None:
                 setattr(self, name, nnx.Param(initial_weights(rngs, shape, dtype), logical_axes=axes))
                 continue
-            for suffix, stored in fmt.stored_shapes(*shape[1:]).items():
-                setattr(self, f"{name}_{suffix}",
-                        nnx.Param(jnp.zeros((e, *stored), stored_dtype(fmt, suffix)), logical_axes=axes))
+            add_packed_params(self, name, fmt, shape[1:], axes, stacked=e)
         self.projections = spec.projections
 
     def weights(self) -> tuple[ExpertKernels, ExpertKernels, ExpertKernels]:
@@ -85,8 +83,7 @@ class StackedExperts(nnx.Module):
         fmt = dict(self.formats).get(name)
         if fmt is None:
             return getattr(self, name)[...]
-        q, scale, *offset = (getattr(self, f"{name}_{suffix}")[...] for suffix in fmt.suffixes)
-        return PackedStack(q, scale, offset[0] if offset else None, fmt, self.dtype)
+        return PackedStack(*packed_arrays(self, name, fmt), fmt, self.dtype)
 
 
 class SparseMoE(nnx.Module):

@@ -25,14 +25,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.errors import CheckpointError, ConfigError
 from jaxinfer.models import model_class
 from jaxinfer.moe_config import MoEConfig
-from jaxinfer.weights.packing import (
-    FLOAT_TYPES,
-    GGUF_FORMATS,
-    PackedFormat,
-    PackedTensor,
-    repack_gguf,
-    stack_experts,
-)
+from jaxinfer.weights.packing import FLOAT_TYPES, GGUF_FORMATS, PackedFormat, PackedTensor, repack_gguf, stack_experts
 from jaxinfer.weights.weight_plan import packable
 
 _LAYER_NAMES = {
@@ -176,24 +169,19 @@ class GGUFCheckpoint:
         num_kv_heads = self._per_model(f"{arch}.attention.head_count_kv", meta("attention.head_count_kv", num_heads))
         hidden = int(meta("embedding_length"))
         if num_heads <= 0 or num_kv_heads <= 0:
-            raise CheckpointError(
-                f"{self.path}: GGUF metadata {arch}.attention.head_count and head_count_kv must be positive"
-            )
+            raise CheckpointError(f"{self.path}: GGUF metadata {arch}.attention.head_count and head_count_kv must "
+                                  "be positive")
         scaling = str(self.field(f"{arch}.rope.scaling.type", "none"))
         if scaling != "none":
-            raise CheckpointError(
-                f"{self.path}: GGUF metadata {arch}.rope.scaling.type is {scaling!r}; this engine "
-                "runs RoPE without scaling for GGUF files (or llama3 scaling from rope_freqs)"
-            )
+            raise CheckpointError(f"{self.path}: GGUF metadata {arch}.rope.scaling.type is {scaling!r}; this engine "
+                                  "runs RoPE without scaling for GGUF files (or llama3 scaling from rope_freqs)")
         tokens = self.field("tokenizer.ggml.tokens") or []
         eos = [self.field(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         rope_factors = self._rope_freq_factors()
         head_dim = int(meta("attention.key_length", hidden // num_heads))
         if rope_factors is not None and len(rope_factors) != head_dim // 2:
-            raise CheckpointError(
-                f"{self.path}: tensor rope_freqs.weight has {len(rope_factors)} values, expected "
-                f"{head_dim // 2} (head_dim / 2)"
-            )
+            raise CheckpointError(f"{self.path}: tensor rope_freqs.weight has {len(rope_factors)} values, expected "
+                                  f"{head_dim // 2} (head_dim / 2)")
         moe = self._experts(arch, int(meta("block_count")), int(meta("feed_forward_length")))
         try:
             return ModelConfig(
@@ -226,18 +214,13 @@ class GGUFCheckpoint:
             return None
         used = self.field(f"{arch}.expert_used_count")
         if used is None:
-            raise CheckpointError(
-                f"{self.path}: GGUF metadata has {arch}.expert_count but lacks {arch}.expert_used_count"
-            )
+            raise CheckpointError(f"{self.path}: GGUF metadata has {arch}.expert_count but lacks "
+                                  f"{arch}.expert_used_count")
         sparse = tuple(i for i in range(num_layers) if f"blk.{i}.{_ROUTER}" in self.tensor_names)
         try:
-            return MoEConfig(
-                num_experts=count,
-                top_k=int(used),
-                sparse_layers=sparse,
-                intermediate_size=int(self.field(f"{arch}.expert_feed_forward_length", dense_width)),
-                renormalize=bool(self.field(f"{arch}.expert_weights_norm", True)),
-            )
+            return MoEConfig(num_experts=count, top_k=int(used), sparse_layers=sparse,
+                             intermediate_size=int(self.field(f"{arch}.expert_feed_forward_length", dense_width)),
+                             renormalize=bool(self.field(f"{arch}.expert_weights_norm", True)))
         except ConfigError as exc:
             raise CheckpointError(f"{self.path}: {exc}") from None
 
@@ -245,10 +228,8 @@ class GGUFCheckpoint:
         """A head count: llama.cpp allows one per layer; this engine runs one for every layer."""
         if isinstance(value, list):
             if not value or len(set(value)) != 1:
-                raise CheckpointError(
-                    f"{self.path}: GGUF metadata {key} differs between layers ({value[:8]}); "
-                    "this engine runs one count for every layer"
-                )
+                raise CheckpointError(f"{self.path}: GGUF metadata {key} differs between layers ({value[:8]}); "
+                                      "this engine runs one count for every layer")
             value = value[0]
         if isinstance(value, bool) or not isinstance(value, int | np.integer):
             raise CheckpointError(f"{self.path}: GGUF metadata {key} must be a whole number, got {value!r:.40}")
@@ -282,23 +263,19 @@ class GGUFCheckpoint:
                 raise CheckpointError(
                     f"{self.path}: tensor {tensor.name} is {tensor.tensor_type.name}, a quantization the engine does "
                     f"not keep packed (packed: {', '.join(t.name for t in GGUF_FORMATS)}); set engine.weights_dtype "
-                    '= "float32" to dequantize it at load'
-                )
+                    "= \"float32\" to dequantize it at load")
             formats[name] = fmt
         return formats
 
-    def iter_tensors(
-        self, cfg: ModelConfig, packed: frozenset[str] | set[str] = frozenset()
-    ) -> Iterator[tuple[str, str, np.ndarray | PackedTensor]]:
+    def iter_tensors(self, cfg: ModelConfig, packed: frozenset[str] | set[str] = frozenset()
+                     ) -> Iterator[tuple[str, str, np.ndarray | PackedTensor]]:
         """The tensors in the engine's layout; those named in `packed` as their blocks, repacked."""
         for tensor in self.reader.tensors:
             name = expert_name(tensor.name, cfg) or engine_name(tensor.name)
             if name is None:
                 if tensor.name not in READ_BY_CONFIG:
-                    raise CheckpointError(
-                        f"{self.path}: tensor {tensor.name} is not part of a model this engine "
-                        "runs (an unsupported variant of the architecture)"
-                    )
+                    raise CheckpointError(f"{self.path}: tensor {tensor.name} is not part of a model this engine "
+                                          "runs (an unsupported variant of the architecture)")
                 continue
             keep_packed = name in packed and tensor.tensor_type in GGUF_FORMATS
             array = np.asarray(tensor.data) if keep_packed else self._dequantized(tensor)
@@ -311,11 +288,8 @@ class GGUFCheckpoint:
                 fan_in, fan_out = (int(n) for n in tensor.shape[:2])
                 if len(tensor.shape) == 3:  # stacked experts: each expert's rows of blocks, repacked
                     experts = array.reshape(int(tensor.shape[2]), fan_out, -1)
-                    yield (
-                        name,
-                        tensor.name,
-                        stack_experts([repack_gguf(expert, tensor.tensor_type, fan_out, fan_in) for expert in experts]),
-                    )
+                    yield name, tensor.name, stack_experts([repack_gguf(expert, tensor.tensor_type, fan_out, fan_in)
+                                                           for expert in experts])
                 else:
                     yield name, tensor.name, repack_gguf(array, tensor.tensor_type, fan_out, fan_in)
                 continue
